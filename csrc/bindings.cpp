@@ -1,0 +1,304 @@
+// pybind11 module sapwood._core: kernel-level entry points (KV pages, tree attention, pathwise
+// GDN) and, later, the Engine. Every array is checked at this boundary (dtype, shape, values)
+// and errors become Python exceptions naming the offending value; the GIL is released while
+// kernels run.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+
+#include "common.h"
+#include "gdn_layer.h"
+#include "kernels/kernels.h"
+#include "kv_cache.h"
+#include "thread_pool.h"
+#include "tree.h"
+
+namespace py = pybind11;
+using namespace sapwood;
+
+namespace {
+
+using F32 = py::array_t<float, py::array::c_style>;
+using I32 = py::array_t<int32_t, py::array::c_style>;
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// A float32 array of the given shape (-1 = any); contiguous copy if needed. Strict dtype.
+F32 as_f32(py::handle obj, const char* name, std::vector<py::ssize_t> shape, bool finite = true) {
+  if (!py::isinstance<py::array>(obj))
+    throw InputError(cat(name, " must be a numpy float32 array, got ",
+                         std::string(py::str(py::type::handle_of(obj)))));
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  if (!a.dtype().is(py::dtype::of<float>()))
+    throw InputError(cat(name, " must have dtype float32, got ", std::string(py::str(a.dtype()))));
+  bool ok = a.ndim() == py::ssize_t(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || a.shape(i) == shape[i];
+  if (!ok) {
+    std::string want = "(";
+    for (size_t i = 0; i < shape.size(); ++i)
+      want += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+    throw InputError(cat(name, " has shape ", shape_str(a), ", expected ", want, ")"));
+  }
+  F32 out = F32::ensure(a);
+  if (finite) {
+    const float* p = out.data();
+    for (py::ssize_t i = 0; i < out.size(); ++i)
+      if (!std::isfinite(p[i]))
+        throw InputError(cat(name, " has a non-finite value ", p[i], " at flat index ", i));
+  }
+  return out;
+}
+
+// Any integer array-like -> int32 vector, range-checked.
+std::vector<int> as_ints(py::handle obj, const char* name) {
+  py::array a = py::array::ensure(obj);
+  if (!a || a.ndim() != 1)
+    throw InputError(cat(name, " must be a 1-D sequence of integers"));
+  if (a.size() == 0) return {};
+  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u')
+    throw InputError(cat(name, " must contain integers, got dtype ", std::string(py::str(a.dtype()))));
+  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  std::vector<int> out(v.size());
+  for (py::ssize_t i = 0; i < v.size(); ++i) {
+    const int64_t x = v.data()[i];
+    if (x < INT32_MIN || x > INT32_MAX) throw InputError(cat(name, "[", i, "] = ", x, " out of range"));
+    out[i] = int(x);
+  }
+  return out;
+}
+
+KVDtype parse_kv_dtype(const std::string& s) {
+  if (s == "int8") return KVDtype::Int8;
+  if (s == "f32") return KVDtype::F32;
+  throw InputError(cat("KV dtype must be 'int8' or 'f32', got '", s, "'"));
+}
+
+// Tree k/v [N, Hkv, D] roundtripped through the pool's storage format.
+std::vector<float> roundtrip_rows(const float* x, size_t rows, int D, KVDtype dt) {
+  std::vector<float> out(rows * D);
+  for (size_t r = 0; r < rows; ++r) kv_roundtrip(x + r * D, D, dt, out.data() + r * D);
+  return out;
+}
+
+py::array_t<float> tree_attention_py(KVSequence& seq, py::handle q_obj, py::handle k_obj,
+                                     py::handle v_obj, py::handle parents_obj, int layer,
+                                     int split, int threads) {
+  KVPagePool& pool = seq.pool();
+  const int Hkv = pool.n_kv_heads(), D = pool.head_dim();
+  std::vector<int> parents = as_ints(parents_obj, "parents");
+  const int N = int(parents.size());
+  check_parents(parents.data(), N);
+  F32 q = as_f32(q_obj, "q", {N, -1, D});
+  const int Hq = int(q.shape(1));
+  SW_CHECK(Hq > 0 && Hq % Hkv == 0, "query heads ", Hq, " must be a multiple of KV heads ", Hkv);
+  F32 k = as_f32(k_obj, "k_tree", {N, Hkv, D});
+  F32 v = as_f32(v_obj, "v_tree", {N, Hkv, D});
+  SW_CHECK(layer >= 0 && layer < pool.n_layers(), "layer ", layer, " out of range [0, ",
+           pool.n_layers(), ")");
+  SW_CHECK(split > 0 && split % kAttnTile == 0, "split must be a positive multiple of ", kAttnTile,
+           ", got ", split);
+  int stride = 0;
+  std::vector<int> anc = ancestor_table(parents.data(), N, &stride);
+  std::vector<int> depth = tree_depths(parents.data(), N);
+  std::vector<int> row_len(N);
+  for (int i = 0; i < N; ++i) row_len[i] = seq.length() + depth[i] + 1;
+  py::array_t<float> out({N, Hq, D});
+  std::vector<float> kt = roundtrip_rows(k.data(), size_t(N) * Hkv, D, pool.dtype());
+  std::vector<float> vt = roundtrip_rows(v.data(), size_t(N) * Hkv, D, pool.dtype());
+  AttnProblem pb{N, Hq, Hkv, D, q.data(), out.mutable_data(), row_len.data(), seq.length(), &seq,
+                 layer, kt.data(), vt.data(), anc.data(), stride, split,
+                 1.0f / std::sqrt(float(D))};
+  {
+    py::gil_scoped_release release;
+    kernels().tree_attention(pb, threads);
+  }
+  return out;
+}
+
+// Append k, v [T, Hkv, D] (single-layer pool) or [L, T, Hkv, D] at the end of the sequence.
+void append_py(KVSequence& seq, py::handle k_obj, py::handle v_obj) {
+  KVPagePool& pool = seq.pool();
+  const int L = pool.n_layers(), Hkv = pool.n_kv_heads(), D = pool.head_dim();
+  py::array ka = py::array::ensure(k_obj);
+  const bool single = L == 1 && ka && ka.ndim() == 3;
+  F32 k = single ? as_f32(k_obj, "k", {-1, Hkv, D}) : as_f32(k_obj, "k", {L, -1, Hkv, D});
+  const int T = int(k.shape(single ? 0 : 1));
+  F32 v = single ? as_f32(v_obj, "v", {T, Hkv, D}) : as_f32(v_obj, "v", {L, T, Hkv, D});
+  const int P = seq.length();
+  seq.reserve(P + T);
+  const size_t tok = size_t(Hkv) * D;
+  for (int l = 0; l < L; ++l)
+    for (int t = 0; t < T; ++t)
+      seq.write(P + t, l, k.data() + (size_t(l) * T + t) * tok, v.data() + (size_t(l) * T + t) * tok);
+  seq.set_length(P + T);
+}
+
+py::tuple read_py(const KVSequence& seq, int layer) {
+  KVPagePool& pool = seq.pool();
+  SW_CHECK(layer >= 0 && layer < pool.n_layers(), "layer ", layer, " out of range");
+  const int P = seq.length(), Hkv = pool.n_kv_heads(), D = pool.head_dim(), ps = pool.page_size();
+  py::array_t<float> k({P, Hkv, D}), v({P, Hkv, D});
+  std::vector<float> kb(D), vb(D);
+  for (int p = 0; p < P; ++p)
+    for (int h = 0; h < Hkv; ++h) {
+      pool.read(seq.page_table()[p / ps], p % ps, 1, layer, h, kb.data(), vb.data());
+      std::copy(kb.begin(), kb.end(), k.mutable_data() + (size_t(p) * Hkv + h) * D);
+      std::copy(vb.begin(), vb.end(), v.mutable_data() + (size_t(p) * Hkv + h) * D);
+    }
+  return py::make_tuple(k, v);
+}
+
+GDNDims make_dims(int hk, int hv, int dk, int dv, int conv_k, const std::string& order) {
+  SW_CHECK(order == "grouped" || order == "tiled", "head_order must be 'grouped' or 'tiled', got '",
+           order, "'");
+  return GDNDims{hk, hv, dk, dv, conv_k, order == "tiled"};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "sapwood C++ runtime: paged int8 KV, tree attention, pathwise GDN";
+  py::register_exception<InputError>(m, "InputError", PyExc_ValueError);
+  py::register_exception<CapacityError>(m, "CapacityError", PyExc_MemoryError);
+
+  m.def("isa", [] { return std::string(kernels().name); }, "Kernel variant in use.");
+  m.def("available_isas", [] {
+    std::vector<std::string> out;
+    for (const char* n : {"generic", "avx2", "avx512"})
+      if (kernels_by_name(n)) out.push_back(n);
+    return out;
+  });
+  m.def("set_isa", [](const std::string& name) {
+    const KernelTable* t = kernels_by_name(name.c_str());
+    SW_CHECK(t, "kernel variant '", name, "' is not built or not supported on this CPU");
+    set_kernels(t);
+  });
+  m.def("set_num_threads", &set_default_threads);
+  m.def("get_num_threads", &default_threads);
+
+  m.def("quantize_int8", [](py::handle x_obj) {
+    F32 x = as_f32(x_obj, "x", {-1, -1});
+    const int D = int(x.shape(1));
+    SW_CHECK(D % kKVGroup == 0 && D <= 1024, "last dim ", D, " must be a multiple of 32 up to 1024");
+    py::array_t<int8_t> q({x.shape(0), x.shape(1)});
+    py::array_t<float> s({x.shape(0), py::ssize_t(D / kKVGroup)});
+    for (py::ssize_t r = 0; r < x.shape(0); ++r)
+      quantize_int8(x.data() + r * D, D, q.mutable_data() + r * D, s.mutable_data() + r * (D / kKVGroup));
+    return py::make_tuple(q, s);
+  }, "x [rows, D] float32 -> (q int8 [rows, D], scale float32 [rows, D/32])");
+
+  py::class_<KVPagePool, std::shared_ptr<KVPagePool>>(m, "KVPagePool")
+      .def(py::init([](int num_pages, int page_size, int n_kv_heads, int head_dim, int n_layers,
+                       const std::string& dtype) {
+             return std::make_shared<KVPagePool>(num_pages, page_size, n_layers, n_kv_heads,
+                                                 head_dim, parse_kv_dtype(dtype));
+           }),
+           py::arg("num_pages"), py::arg("page_size"), py::arg("n_kv_heads"), py::arg("head_dim"),
+           py::arg("n_layers") = 1, py::arg("dtype") = "int8")
+      .def_property_readonly("free_pages", &KVPagePool::free_pages)
+      .def_property_readonly("num_pages", &KVPagePool::num_pages)
+      .def_property_readonly("page_size", &KVPagePool::page_size)
+      .def_property_readonly("bytes", &KVPagePool::bytes);
+
+  py::class_<KVSequence>(m, "KVSequence")
+      .def(py::init([](std::shared_ptr<KVPagePool> pool) {
+             return std::make_unique<KVSequence>(std::move(pool));
+           }),
+           py::arg("pool"))
+      .def_property_readonly("length", &KVSequence::length)
+      .def_property_readonly("page_table", &KVSequence::page_table)
+      .def("append", &append_py, py::arg("k"), py::arg("v"))
+      .def("read", &read_py, py::arg("layer") = 0, "Dequantized (k, v) [P, Hkv, D].")
+      .def("truncate", &KVSequence::truncate)
+      .def("append_nodes", [](KVSequence& seq, py::handle k, py::handle v, py::handle parents_obj,
+                              py::handle path_obj) {
+             // Commit tree nodes `path` (root first) of a single-layer pool.
+             std::vector<int> parents = as_ints(parents_obj, "parents");
+             check_parents(parents.data(), int(parents.size()));
+             std::vector<int> path = as_ints(path_obj, "path");
+             check_path(parents.data(), int(parents.size()), path);
+             const int N = int(parents.size()), Hkv = seq.pool().n_kv_heads(), D = seq.pool().head_dim();
+             SW_CHECK(seq.pool().n_layers() == 1, "append_nodes is for single-layer pools");
+             F32 ka = as_f32(k, "k_tree", {N, Hkv, D}), va = as_f32(v, "v_tree", {N, Hkv, D});
+             const int P = seq.length(), n = int(path.size());
+             seq.reserve(P + n);
+             for (int j = 0; j < n; ++j)
+               seq.write(P + j, 0, ka.data() + size_t(path[j]) * Hkv * D,
+                         va.data() + size_t(path[j]) * Hkv * D);
+             seq.set_length(P + n);
+           },
+           py::arg("k_tree"), py::arg("v_tree"), py::arg("parents"), py::arg("path"));
+
+  m.def("tree_attention", &tree_attention_py, py::arg("seq"), py::arg("q"), py::arg("k_tree"),
+        py::arg("v_tree"), py::arg("parents"), py::arg("layer") = 0, py::arg("split") = 512,
+        py::arg("threads") = 0,
+        "q [N, Hq, D] attends to the committed positions of seq and to its tree ancestors.");
+
+  py::class_<GDNLayer>(m, "GDNLayer")
+      .def(py::init([](int hk, int hv, int dk, int dv, py::handle conv_w, const std::string& order,
+                       int max_pending) {
+             F32 w = as_f32(conv_w, "conv_weight", {-1, -1});
+             GDNDims d = make_dims(hk, hv, dk, dv, int(w.shape(1)), order);
+             SW_CHECK(w.shape(0) == d.channels(), "conv_weight has ", w.shape(0),
+                      " channels, expected 2*Hk*dk + Hv*dv = ", d.channels());
+             return std::make_unique<GDNLayer>(d, w.data(), max_pending);
+           }),
+           py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("conv_weight"),
+           py::arg("head_order") = "grouped", py::arg("max_pending") = 8)
+      .def("verify", [](GDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
+                        py::handle parents_obj, int threads) {
+             const GDNDims& d = L.dims();
+             std::vector<int> parents = as_ints(parents_obj, "parents");
+             const int n = int(parents.size());
+             check_parents(parents.data(), n);
+             F32 x = as_f32(x_obj, "x", {n, d.channels()});
+             F32 g = as_f32(g_obj, "g", {n, d.hv});
+             F32 b = as_f32(b_obj, "beta", {n, d.hv});
+             py::array_t<float> out({n, d.hv, d.dv});
+             py::gil_scoped_release release;
+             L.verify(x.data(), g.data(), b.data(), parents.data(), n, out.mutable_data(), threads);
+             return out;
+           },
+           py::arg("x"), py::arg("g"), py::arg("beta"), py::arg("parents"), py::arg("threads") = 0)
+      .def("prefill", [](GDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
+                         int threads) {
+             const GDNDims& d = L.dims();
+             F32 x = as_f32(x_obj, "x", {-1, d.channels()});
+             const int n = int(x.shape(0));
+             SW_CHECK(n > 0, "prefill needs at least one token");
+             F32 g = as_f32(g_obj, "g", {n, d.hv});
+             F32 b = as_f32(b_obj, "beta", {n, d.hv});
+             py::array_t<float> out({n, d.hv, d.dv});
+             py::gil_scoped_release release;
+             L.prefill(x.data(), g.data(), b.data(), n, out.mutable_data(), threads);
+             return out;
+           },
+           py::arg("x"), py::arg("g"), py::arg("beta"), py::arg("threads") = 0)
+      .def("commit", [](GDNLayer& L, py::handle path_obj, int threads) {
+             std::vector<int> path = as_ints(path_obj, "path");
+             py::gil_scoped_release release;
+             L.commit(path, threads);
+           },
+           py::arg("path"), py::arg("threads") = 0)
+      .def("reset", &GDNLayer::reset)
+      .def_property_readonly("n_pending", &GDNLayer::n_pending)
+      .def("folded_state", [](const GDNLayer& L) {
+             const GDNDims& d = L.dims();
+             std::vector<float> s = L.folded_state(0);
+             py::array_t<float> out({d.hv, d.dk, d.dv});
+             std::copy(s.begin(), s.end(), out.mutable_data());
+             return out;
+           })
+      .def_property_readonly("window", [](const GDNLayer& L) {
+        const GDNDims& d = L.dims();
+        py::array_t<float> out({d.conv_k - 1, d.channels()});
+        std::copy(L.window().begin(), L.window().end(), out.mutable_data());
+        return out;
+      });
+}

@@ -1,0 +1,148 @@
+#include "gdn_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "tree.h"
+
+namespace sapwood {
+
+namespace {
+void check_finite(const float* x, size_t n, const char* what) {
+  for (size_t i = 0; i < n; ++i)
+    SW_CHECK(std::isfinite(x[i]), what, " has a non-finite value ", x[i], " at flat index ", i);
+}
+}  // namespace
+
+GDNLayer::GDNLayer(const GDNDims& d, const float* conv_w, int max_pending)
+    : dims_(d), max_pending_(max_pending) {
+  SW_CHECK(d.hk > 0 && d.hv > 0 && d.hv % d.hk == 0, "Hv=", d.hv, " must be a multiple of Hk=",
+           d.hk);
+  SW_CHECK(d.dk > 0 && d.dv > 0 && d.conv_k >= 1, "bad GDN dims dk=", d.dk, " dv=", d.dv,
+           " conv_k=", d.conv_k);
+  SW_CHECK(max_pending >= 0 && max_pending <= 64, "max_pending must be in [0, 64], got ",
+           max_pending);
+  const int C = d.channels(), K = d.conv_k;
+  conv_w_t_.resize(size_t(K) * C);
+  for (int c = 0; c < C; ++c)
+    for (int t = 0; t < K; ++t) conv_w_t_[size_t(t) * C + c] = conv_w[size_t(c) * K + t];
+  check_finite(conv_w_t_.data(), conv_w_t_.size(), "conv weight");
+  reset();
+}
+
+void GDNLayer::reset() {
+  S_.assign(size_t(dims_.hv) * dims_.dk * dims_.dv, 0.0f);
+  window_.assign(size_t(dims_.conv_k - 1) * dims_.channels(), 0.0f);
+  n_pending_ = 0;
+  tape_n_ = 0;
+}
+
+size_t GDNLayer::state_bytes() const {
+  return sizeof(float) * (S_.size() + window_.size() + pk_.size() + pv_.size() + pg_.size() +
+                          pbeta_.size());
+}
+
+void GDNLayer::conv(const float* x, const int* parents, int n, int threads) {
+  const GDNDims& d = dims_;
+  q_.resize(size_t(n) * d.hk * d.dk);
+  k_.resize(size_t(n) * d.hk * d.dk);
+  v_.resize(size_t(n) * d.hv * d.dv);
+  GDNConvProblem pb{d, n, x, parents, window_.data(), conv_w_t_.data(), q_.data(), k_.data(),
+                    v_.data()};
+  kernels().gdn_conv(pb, threads);
+}
+
+void GDNLayer::run_tree(float* state, const int* parents, int n, float* out, bool chain,
+                        int n_pending, int threads) {
+  GDNTreeProblem pb{dims_, n, parents, q_.data(), k_.data(), v_.data(), g_.data(), beta_.data(),
+                    state, n_pending, pk_.data(), pv_.data(), pg_.data(), pbeta_.data(), out,
+                    chain};
+  kernels().gdn_tree(pb, threads);
+}
+
+void GDNLayer::verify(const float* x, const float* g, const float* beta, const int* parents,
+                      int n, float* out, int threads) {
+  check_parents(parents, n);
+  const GDNDims& d = dims_;
+  check_finite(x, size_t(n) * d.channels(), "GDN input x");
+  check_finite(g, size_t(n) * d.hv, "GDN decay g");
+  check_finite(beta, size_t(n) * d.hv, "GDN beta");
+  tape_n_ = 0;
+  tape_parents_.assign(parents, parents + n);
+  x_.assign(x, x + size_t(n) * d.channels());
+  g_.assign(g, g + size_t(n) * d.hv);
+  beta_.assign(beta, beta + size_t(n) * d.hv);
+  conv(x, parents, n, threads);
+  root_ = S_;
+  run_tree(root_.data(), parents, n, out, /*chain=*/false, n_pending_, threads);
+  tape_n_ = n;
+}
+
+void GDNLayer::fold_oldest(int count, int threads) {
+  // Fold pending[0..count) into S_ (a tree of zero nodes with `count` pending tokens).
+  run_tree(S_.data(), nullptr, 0, nullptr, true, count, threads);
+  const GDNDims& d = dims_;
+  auto drop = [&](std::vector<float>& t, size_t per) {
+    t.erase(t.begin(), t.begin() + per * count);
+  };
+  drop(pk_, size_t(d.hk) * d.dk);
+  drop(pv_, size_t(d.hv) * d.dv);
+  drop(pg_, d.hv);
+  drop(pbeta_, d.hv);
+  n_pending_ -= count;
+}
+
+void GDNLayer::commit(const std::vector<int>& path, int threads) {
+  SW_CHECK(tape_n_ > 0, "commit without a preceding verify");
+  check_path(tape_parents_.data(), tape_n_, path);
+  const GDNDims& d = dims_;
+  const int C = d.channels(), W = d.conv_k - 1;
+  S_.swap(root_);  // root = S with the old pending folded in
+  pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
+  const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
+  std::vector<float> inputs(window_);
+  for (int node : path) {
+    pk_.insert(pk_.end(), k_.begin() + kq * node, k_.begin() + kq * (node + 1));
+    pv_.insert(pv_.end(), v_.begin() + vv * node, v_.begin() + vv * (node + 1));
+    pg_.insert(pg_.end(), g_.begin() + size_t(d.hv) * node, g_.begin() + size_t(d.hv) * (node + 1));
+    pbeta_.insert(pbeta_.end(), beta_.begin() + size_t(d.hv) * node,
+                  beta_.begin() + size_t(d.hv) * (node + 1));
+    inputs.insert(inputs.end(), x_.begin() + size_t(C) * node, x_.begin() + size_t(C) * (node + 1));
+  }
+  n_pending_ = int(path.size());
+  window_.assign(inputs.end() - size_t(W) * C, inputs.end());
+  tape_n_ = 0;
+  if (n_pending_ > max_pending_) fold_oldest(n_pending_ - max_pending_, threads);
+}
+
+void GDNLayer::prefill(const float* x, const float* g, const float* beta, int n, float* out,
+                       int threads) {
+  SW_CHECK(n > 0, "prefill needs at least one token");
+  const GDNDims& d = dims_;
+  check_finite(x, size_t(n) * d.channels(), "GDN input x");
+  check_finite(g, size_t(n) * d.hv, "GDN decay g");
+  check_finite(beta, size_t(n) * d.hv, "GDN beta");
+  tape_n_ = 0;
+  std::vector<int> chain(n);
+  for (int i = 0; i < n; ++i) chain[i] = i - 1;
+  g_.assign(g, g + size_t(n) * d.hv);
+  beta_.assign(beta, beta + size_t(n) * d.hv);
+  conv(x, chain.data(), n, threads);
+  run_tree(S_.data(), chain.data(), n, out, /*chain=*/true, n_pending_, threads);
+  pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
+  n_pending_ = 0;
+  const int C = d.channels(), W = d.conv_k - 1;
+  std::vector<float> inputs(window_);
+  inputs.insert(inputs.end(), x, x + size_t(n) * C);
+  window_.assign(inputs.end() - size_t(W) * C, inputs.end());
+}
+
+std::vector<float> GDNLayer::folded_state(int threads) const {
+  GDNLayer copy(*this);
+  copy.fold_oldest(copy.n_pending_, threads);
+  return copy.S_;
+}
+
+}  // namespace sapwood

@@ -1,0 +1,55 @@
+// Committed state of one Gated DeltaNet layer and the tape of the last verify.
+//
+// Committed = S [hv][dk][dv] + conv window [K-1][C] + up to max_pending "pending" tokens whose
+// (k, v, g, beta) were committed but not yet folded into S. verify() folds the pending tokens
+// into a root copy of S (kept on the tape), runs the tree from it and keeps every node's
+// (x, k, v, g, beta). commit(path) selects: S <- root, pending <- the path's tokens, folding
+// the oldest beyond max_pending. Per-node states are never retained (48 heads x 64 KiB each
+// would be 3 MiB a node a layer); the tape costs one recurrence step per committed token.
+#pragma once
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace sapwood {
+
+class GDNLayer {
+ public:
+  // conv_w: [C][K] (HF conv1d.weight [C,1,K] squeezed).
+  GDNLayer(const GDNDims& dims, const float* conv_w, int max_pending = 8);
+
+  const GDNDims& dims() const { return dims_; }
+  // x [n][C], g [n][hv], beta [n][hv] -> out [n][hv][dv]. Committed state unchanged.
+  void verify(const float* x, const float* g, const float* beta, const int* parents, int n,
+              float* out, int threads);
+  void commit(const std::vector<int>& path, int threads);
+  // Commit n tokens as a chain in one go (prompt processing), writing their outputs.
+  void prefill(const float* x, const float* g, const float* beta, int n, float* out, int threads);
+  void reset();
+
+  // S with every pending token folded in (what the state "is"); for tests and snapshots.
+  std::vector<float> folded_state(int threads) const;
+  const std::vector<float>& raw_state() const { return S_; }
+  const std::vector<float>& window() const { return window_; }
+  int n_pending() const { return n_pending_; }
+  size_t state_bytes() const;
+
+ private:
+  void conv(const float* x, const int* parents, int n, int threads);
+  void run_tree(float* state, const int* parents, int n, float* out, bool chain, int n_pending,
+                int threads);
+  void fold_oldest(int count, int threads);
+
+  GDNDims dims_;
+  int max_pending_;
+  std::vector<float> conv_w_t_;             // [K][C]
+  std::vector<float> S_, window_;           // committed
+  std::vector<float> pk_, pv_, pg_, pbeta_; // pending tape, max_pending (+ tree) tokens
+  int n_pending_ = 0;
+  // tape of the last verify
+  int tape_n_ = 0;
+  std::vector<int> tape_parents_;
+  std::vector<float> root_, x_, q_, k_, v_, g_, beta_;
+};
+
+}  // namespace sapwood

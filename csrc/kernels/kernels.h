@@ -1,0 +1,79 @@
+// The CPU kernel interface. Each kernel body is compiled once per instruction set (generic,
+// AVX2, AVX-512) from the same source; reductions run in an order fixed by positions and
+// dims only and vectorise across independent lanes, so every variant gives the same bits.
+#pragma once
+#include <cstdint>
+
+#include "../kv_cache.h"
+
+namespace sapwood {
+
+// Tree attention, rows are query nodes. Row i sees positions [0, row_len[i]); a position
+// p < hist_len comes from the sequence's pages, p >= hist_len from tree node
+// anc[i * anc_stride + (p - hist_len)] of k_tree / v_tree (already int8-roundtripped).
+struct AttnProblem {
+  int n_rows, n_q_heads, n_kv_heads, head_dim;
+  const float* q;        // [n_rows][n_q_heads][head_dim], rotary applied
+  float* out;            // [n_rows][n_q_heads][head_dim]
+  const int* row_len;    // [n_rows]
+  int hist_len;
+  const KVSequence* seq;
+  int layer;
+  const float* k_tree;   // [n_tree][n_kv_heads][head_dim]
+  const float* v_tree;
+  const int* anc;
+  int anc_stride;
+  int split;             // positions per split-K chunk, a multiple of kAttnTile
+  float scale;
+};
+constexpr int kAttnTile = 32;       // keys per tile; tiles are aligned to absolute positions
+constexpr int kAttnRowBlock = 16;   // rows whose partials are held at once
+
+// Pathwise GDN for one layer. Node i's conv inputs are its K-1 predecessors on its path
+// (reaching into the committed window) then itself.
+struct GDNDims {
+  int hk, hv, dk, dv, conv_k;
+  bool tiled;  // value head h reads key head h % hk (tiled) or h / (hv/hk) (grouped)
+  int channels() const { return 2 * hk * dk + hv * dv; }
+  int key_head(int h) const { return tiled ? h % hk : h / (hv / hk); }
+};
+
+struct GDNConvProblem {
+  GDNDims dims;
+  int n;                  // nodes
+  const float* x;         // [n][C] pre-conv inputs
+  const int* parents;     // [n]; -1 = reads the committed window
+  const float* window;    // [conv_k-1][C], oldest first
+  const float* conv_w;    // [conv_k][C] (transposed from HF [C,1,K])
+  float* q;               // [n][hk][dk] normalised and scaled by dk^-0.5
+  float* k;               // [n][hk][dk] normalised
+  float* v;               // [n][hv][dv]
+};
+
+struct GDNTreeProblem {
+  GDNDims dims;
+  int n;
+  const int* parents;
+  const float *q, *k, *v;     // from GDNConvProblem
+  const float* g;             // [n][hv] log decay
+  const float* beta;          // [n][hv]
+  float* state;               // [hv][dk][dv]: in = committed S, out = S with pending folded
+  int n_pending;
+  const float *pk, *pv, *pg, *pbeta;  // pending tape [n_pending][...] (k [hk][dk])
+  float* out;                 // [n][hv][dv]
+  bool in_place_chain;        // prefill: nodes form a chain and S ends at the last node
+};
+
+struct KernelTable {
+  const char* name;
+  void (*tree_attention)(const AttnProblem&, int threads);
+  void (*gdn_conv)(const GDNConvProblem&, int threads);
+  void (*gdn_tree)(const GDNTreeProblem&, int threads);
+};
+
+// The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.
+const KernelTable& kernels();
+const KernelTable* kernels_by_name(const char* name);  // nullptr when absent/unsupported
+void set_kernels(const KernelTable* table);            // tests compare variants bitwise
+
+}  // namespace sapwood

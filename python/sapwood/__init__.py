@@ -1,0 +1,6 @@
+"""sapwood: speculative decoding with tree verification for hybrid linear-attention LLMs."""
+from . import _core
+from ._core import InputError, CapacityError
+
+__version__ = "0.1.0"
+__all__ = ["InputError", "CapacityError"]

@@ -1,0 +1,62 @@
+"""Shared test helpers: one assert_close, tree shapes, kernel-variant selection."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from sapwood import _core
+
+
+def assert_close(actual, expected, atol, what=""):
+    """Max-abs comparison against a float64 oracle; the caller states why `atol` is right."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = float(np.max(np.abs(actual - expected))) if actual.size else 0.0
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+    return err
+
+
+def chain(n):
+    return np.arange(n) - 1
+
+
+def star(n):
+    p = np.zeros(n, np.int64)
+    p[0] = -1
+    return p
+
+
+def random_tree(n, seed):
+    rng = np.random.default_rng(seed)
+    p = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+    return p
+
+
+TREES = {
+    "single": np.array([-1]),
+    "chain16": chain(16),
+    "star16": star(16),
+    **{f"random{s}": random_tree(n, s) for s, n in [(1, 16), (2, 16), (3, 9), (4, 13)]},
+}
+
+
+def path_to(parents, i):
+    out = [i]
+    while parents[out[-1]] >= 0:
+        out.append(int(parents[out[-1]]))
+    return out[::-1]
+
+
+@contextlib.contextmanager
+def isa(name):
+    old = _core.isa()
+    _core.set_isa(name)
+    try:
+        yield
+    finally:
+        _core.set_isa(old)
+
+
+ISAS = _core.available_isas()
