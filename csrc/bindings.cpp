@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "bindings_util.h"
 #include "common.h"
 #include "gdn_layer.h"
 #include "kernels/kernels.h"
@@ -20,65 +21,6 @@ namespace py = pybind11;
 using namespace sapwood;
 
 namespace {
-
-using F32 = py::array_t<float, py::array::c_style>;
-using I32 = py::array_t<int32_t, py::array::c_style>;
-
-std::string shape_str(const py::array& a) {
-  std::string s = "(";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
-
-// A float32 array of the given shape (-1 = any); contiguous copy if needed. Strict dtype.
-F32 as_f32(py::handle obj, const char* name, std::vector<py::ssize_t> shape, bool finite = true) {
-  if (!py::isinstance<py::array>(obj))
-    throw InputError(cat(name, " must be a numpy float32 array, got ",
-                         std::string(py::str(py::type::handle_of(obj)))));
-  py::array a = py::reinterpret_borrow<py::array>(obj);
-  if (!a.dtype().is(py::dtype::of<float>()))
-    throw InputError(cat(name, " must have dtype float32, got ", std::string(py::str(a.dtype()))));
-  bool ok = a.ndim() == py::ssize_t(shape.size());
-  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || a.shape(i) == shape[i];
-  if (!ok) {
-    std::string want = "(";
-    for (size_t i = 0; i < shape.size(); ++i)
-      want += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
-    throw InputError(cat(name, " has shape ", shape_str(a), ", expected ", want, ")"));
-  }
-  F32 out = F32::ensure(a);
-  if (finite) {
-    const float* p = out.data();
-    for (py::ssize_t i = 0; i < out.size(); ++i)
-      if (!std::isfinite(p[i]))
-        throw InputError(cat(name, " has a non-finite value ", p[i], " at flat index ", i));
-  }
-  return out;
-}
-
-// Any integer array-like -> int32 vector, range-checked.
-std::vector<int> as_ints(py::handle obj, const char* name) {
-  py::array a = py::array::ensure(obj);
-  if (!a || a.ndim() != 1)
-    throw InputError(cat(name, " must be a 1-D sequence of integers"));
-  if (a.size() == 0) return {};
-  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u')
-    throw InputError(cat(name, " must contain integers, got dtype ", std::string(py::str(a.dtype()))));
-  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
-  std::vector<int> out(v.size());
-  for (py::ssize_t i = 0; i < v.size(); ++i) {
-    const int64_t x = v.data()[i];
-    if (x < INT32_MIN || x > INT32_MAX) throw InputError(cat(name, "[", i, "] = ", x, " out of range"));
-    out[i] = int(x);
-  }
-  return out;
-}
-
-KVDtype parse_kv_dtype(const std::string& s) {
-  if (s == "int8") return KVDtype::Int8;
-  if (s == "f32") return KVDtype::F32;
-  throw InputError(cat("KV dtype must be 'int8' or 'f32', got '", s, "'"));
-}
 
 // Tree k/v [N, Hkv, D] roundtripped through the pool's storage format.
 std::vector<float> roundtrip_rows(const float* x, size_t rows, int D, KVDtype dt) {
@@ -163,6 +105,8 @@ GDNDims make_dims(int hk, int hv, int dk, int dv, int conv_k, const std::string&
 
 }  // namespace
 
+void bind_engine(py::module_& m);
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "sapwood C++ runtime: paged int8 KV, tree attention, pathwise GDN";
   py::register_exception<InputError>(m, "InputError", PyExc_ValueError);
@@ -215,6 +159,35 @@ PYBIND11_MODULE(_core, m) {
       quantize_int8(x.data() + r * D, D, q.mutable_data() + r * D, s.mutable_data() + r * (D / kKVGroup));
     return py::make_tuple(q, s);
   }, "x [rows, D] float32 -> (q int8 [rows, D], scale float32 [rows, D/32])");
+
+  py::class_<QMatrix>(m, "WeightMatrix", "A weight matrix [out, in] in one of the formats.")
+      .def(py::init([](py::handle w_obj, const std::string& fmt) {
+             F32 w = as_f32(w_obj, "w", {-1, -1});
+             auto q = std::make_unique<QMatrix>();
+             q->quantize(w.data(), int(w.shape(0)), int(w.shape(1)), parse_wformat(fmt.c_str()));
+             return q;
+           }),
+           py::arg("w"), py::arg("format"))
+      .def("matmul", [](const QMatrix& q, py::handle x_obj, int threads) {
+             F32 x = as_f32(x_obj, "x", {-1, q.cols});
+             const int n = int(x.shape(0));
+             py::array_t<float> y({py::ssize_t(n), py::ssize_t(q.rows)});
+             QActs acts;
+             {
+               py::gil_scoped_release release;
+               if (q.fmt == WFormat::Q8 || q.fmt == WFormat::Q4) acts.quantize(x.data(), n, q.cols, q.cols_pad);
+               MatmulProblem pb{&q, x.data(), &acts, n, y.mutable_data()};
+               kernels().matmul(pb, threads);
+             }
+             return y;
+           },
+           py::arg("x"), py::arg("threads") = 0, "y = x W^T, x [n, in] float32")
+      .def("dequantized", [](const QMatrix& q) {
+        py::array_t<float> out({q.rows, q.cols});
+        for (int r = 0; r < q.rows; ++r) q.dequant_row(r, out.mutable_data() + size_t(r) * q.cols);
+        return out;
+      })
+      .def_property_readonly("nbytes", &QMatrix::bytes);
 
   py::class_<KVPagePool, std::shared_ptr<KVPagePool>>(m, "KVPagePool")
       .def(py::init([](int num_pages, int page_size, int n_kv_heads, int head_dim, int n_layers,
@@ -324,4 +297,5 @@ PYBIND11_MODULE(_core, m) {
         std::copy(L.window().begin(), L.window().end(), out.mutable_data());
         return out;
       });
+  bind_engine(m);
 }

@@ -146,17 +146,4 @@ void KVSequence::truncate(int n) {
   }
 }
 
-void KVSequence::copy_from(const KVSequence& other) {
-  SW_CHECK(other.pool_ == pool_, "snapshot belongs to another page pool");
-  truncate(0);
-  reserve(other.length_);
-  const size_t bytes = pool_->bytes() / pool_->num_pages();
-  for (size_t i = 0; i < pages_.size(); ++i) {
-    uint8_t* dst = (uint8_t*)pool_->k_int8(pages_[i], 0, 0);
-    const uint8_t* src = (const uint8_t*)pool_->k_int8(other.pages_[i], 0, 0);
-    std::memcpy(dst, src, bytes);
-  }
-  length_ = other.length_;
-}
-
 }  // namespace sapwood

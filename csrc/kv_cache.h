@@ -31,6 +31,9 @@ class KVPagePool {
   KVDtype dtype() const { return dtype_; }
   int free_pages() const { return int(free_.size()); }
   size_t bytes() const { return data_.size(); }
+  size_t page_bytes() const { return page_bytes_; }
+  uint8_t* page_data(int page) { return data_.data() + page_bytes_ * page; }
+  const uint8_t* page_data(int page) const { return data_.data() + page_bytes_ * page; }
 
   int alloc();           // throws CapacityError when empty
   void release(int page);
@@ -78,7 +81,6 @@ class KVSequence {
   void write(int pos, int layer, const float* k, const float* v);
   void set_length(int n);   // n <= capacity
   void truncate(int n);     // drop positions >= n and free whole pages past them
-  void copy_from(const KVSequence& other);  // deep copy (snapshots)
 
  private:
   std::shared_ptr<KVPagePool> pool_;

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "../kv_cache.h"
+#include "../weights.h"
 
 namespace sapwood {
 
@@ -28,6 +29,7 @@ struct AttnProblem {
 };
 constexpr int kAttnTile = 32;       // keys per tile; tiles are aligned to absolute positions
 constexpr int kAttnRowBlock = 16;   // rows whose partials are held at once
+constexpr int kAttnSplit = 512;     // the engine's fixed split-K chunk (a node's bits depend on it)
 
 // Pathwise GDN for one layer. Node i's conv inputs are its K-1 predecessors on its path
 // (reaching into the committed window) then itself.
@@ -64,11 +66,21 @@ struct GDNTreeProblem {
   bool in_place_chain;        // prefill: nodes form a chain and S ends at the last node
 };
 
+// y [n][w.rows] = x [n][w.cols] W^T; Q8/Q4 read `acts` (x quantized per row) instead of x.
+struct MatmulProblem {
+  const QMatrix* w;
+  const float* x;
+  const QActs* acts;
+  int n;
+  float* y;
+};
+
 struct KernelTable {
   const char* name;
   void (*tree_attention)(const AttnProblem&, int threads);
   void (*gdn_conv)(const GDNConvProblem&, int threads);
   void (*gdn_tree)(const GDNTreeProblem&, int threads);
+  void (*matmul)(const MatmulProblem&, int threads);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.

@@ -4,4 +4,5 @@
 #define SW_ISA_NS isa_avx512
 #define SW_ISA_STR "avx512"
 #define SW_TABLE_NAME kernels_avx512
+#define SW_USE_AVX2 1
 #include "body.inc"

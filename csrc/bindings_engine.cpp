@@ -1,0 +1,129 @@
+// pybind11 bindings of the Engine (sapwood._core.Engine). Arrays are checked here; errors
+// become ValueError / MemoryError with the offending value; the GIL is released in compute.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings_util.h"
+#include "common.h"
+#include "engine.h"
+
+namespace py = pybind11;
+using namespace sapwood;
+
+namespace {
+
+template <class T>
+T need(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw InputError(cat("dims is missing '", key, "'"));
+  try {
+    return d[key].cast<T>();
+  } catch (const py::cast_error&) {
+    throw InputError(cat("dims['", key, "'] has the wrong type"));
+  }
+}
+
+ModelDims parse_dims(const py::dict& d) {
+  ModelDims m;
+  m.vocab = need<int>(d, "vocab_size");
+  m.hidden = need<int>(d, "hidden_size");
+  m.inter = need<int>(d, "intermediate_size");
+  m.is_attn = need<std::vector<bool>>(d, "layer_is_attention");
+  m.n_heads = need<int>(d, "num_heads");
+  m.n_kv_heads = need<int>(d, "num_kv_heads");
+  m.head_dim = need<int>(d, "head_dim");
+  m.rotary_dim = need<int>(d, "rotary_dim");
+  m.rope_theta = need<float>(d, "rope_theta");
+  m.eps = need<float>(d, "rms_norm_eps");
+  m.tied = need<bool>(d, "tie_word_embeddings");
+  m.hk = need<int>(d, "hk");
+  m.dk = need<int>(d, "dk");
+  m.hv = need<int>(d, "hv");
+  m.dv = need<int>(d, "dv");
+  m.conv_k = need<int>(d, "conv_kernel");
+  const std::string order = need<std::string>(d, "head_order");
+  SW_CHECK(order == "grouped" || order == "tiled", "head_order must be 'grouped' or 'tiled', got '",
+           order, "'");
+  m.tiled = order == "tiled";
+  return m;
+}
+
+py::array_t<float> to_array(std::vector<float>&& v, py::ssize_t rows, py::ssize_t cols) {
+  auto* heap = new std::vector<float>(std::move(v));
+  py::capsule free_when_done(heap, [](void* p) { delete reinterpret_cast<std::vector<float>*>(p); });
+  if (rows < 0) return py::array_t<float>({cols}, {sizeof(float)}, heap->data(), free_when_done);
+  return py::array_t<float>({rows, cols}, {cols * py::ssize_t(sizeof(float)), py::ssize_t(sizeof(float))},
+                            heap->data(), free_when_done);
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
+      .def_property_readonly("position", [](const Snapshot& s) { return s.length; });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
+                       const std::string& kv, int max_context, int threads) {
+             ModelDims d = parse_dims(dims);
+             std::vector<F32> keep;
+             TensorMap t;
+             for (auto item : weights) {
+               const std::string name = py::str(item.first);
+               keep.push_back(as_f32(item.second, name.c_str(), std::vector<py::ssize_t>(
+                   py::array::ensure(item.second) ? py::array::ensure(item.second).ndim() : 0, -1), false));
+               Tensor x{keep.back().data(), {}};
+               for (py::ssize_t i = 0; i < keep.back().ndim(); ++i) x.shape.push_back(keep.back().shape(i));
+               t.emplace(name, x);
+             }
+             WFormat f = parse_wformat(wfmt.c_str());
+             KVDtype k = parse_kv_dtype(kv);
+             py::gil_scoped_release release;
+             return std::make_unique<Engine>(d, t, f, k, max_context, threads);
+           }),
+           py::arg("dims"), py::arg("weights"), py::arg("weights_format") = "q8",
+           py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0)
+      .def("prefill", [](Engine& e, py::handle tokens, bool all_logits) {
+             std::vector<int> t = as_ints(tokens, "tokens");
+             std::vector<float> out;
+             {
+               py::gil_scoped_release release;
+               out = e.prefill(t, all_logits);
+             }
+             const int V = e.dims().vocab;
+             return to_array(std::move(out), all_logits ? py::ssize_t(t.size()) : -1, V);
+           },
+           py::arg("tokens"), py::arg("all_logits") = false,
+           "Commit the tokens; logits of the last row [V] (or of every row [T, V]).")
+      .def("verify", [](Engine& e, py::handle tokens, py::handle parents) {
+             std::vector<int> t = as_ints(tokens, "tokens"), p = as_ints(parents, "parents");
+             std::vector<float> out;
+             {
+               py::gil_scoped_release release;
+               out = e.verify(t, p);
+             }
+             return to_array(std::move(out), py::ssize_t(t.size()), e.dims().vocab);
+           },
+           py::arg("tokens"), py::arg("parents"),
+           "Logits [N, V] of a tree; node 0 is the root at the current position.")
+      .def("commit", [](Engine& e, py::handle path) {
+             std::vector<int> p = as_ints(path, "path");
+             py::gil_scoped_release release;
+             e.commit(p);
+           }, py::arg("path"))
+      .def("reset", &Engine::reset)
+      .def("snapshot", &Engine::snapshot)
+      .def("restore", &Engine::restore, py::arg("snapshot"))
+      .def_property_readonly("position", &Engine::position)
+      .def_property_readonly("max_context", &Engine::max_context)
+      .def_property_readonly("vocab_size", [](const Engine& e) { return e.dims().vocab; })
+      .def_property_readonly("threads", &Engine::threads)
+      .def("memory", [](const Engine& e) {
+        py::dict d;
+        d["weights_bytes"] = e.weight_bytes();
+        d["kv_pool_bytes"] = e.kv_bytes();
+        d["kv_used_bytes"] = e.kv_bytes_used();
+        d["gdn_state_bytes"] = e.gdn_state_bytes();
+        return d;
+      });
+}

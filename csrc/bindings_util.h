@@ -1,0 +1,74 @@
+// Boundary checks shared by the binding files: strict dtypes, shapes, finite values, ints.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "kv_cache.h"
+
+namespace sapwood {
+namespace py = pybind11;
+using F32 = py::array_t<float, py::array::c_style>;
+using I32 = py::array_t<int32_t, py::array::c_style>;
+
+inline std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// A float32 array of the given shape (-1 = any); contiguous copy if needed. Strict dtype.
+inline F32 as_f32(py::handle obj, const char* name, std::vector<py::ssize_t> shape, bool finite = true) {
+  if (!py::isinstance<py::array>(obj))
+    throw InputError(cat(name, " must be a numpy float32 array, got ",
+                         std::string(py::str(py::type::handle_of(obj)))));
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  if (!a.dtype().is(py::dtype::of<float>()))
+    throw InputError(cat(name, " must have dtype float32, got ", std::string(py::str(a.dtype()))));
+  bool ok = a.ndim() == py::ssize_t(shape.size());
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || a.shape(i) == shape[i];
+  if (!ok) {
+    std::string want = "(";
+    for (size_t i = 0; i < shape.size(); ++i)
+      want += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+    throw InputError(cat(name, " has shape ", shape_str(a), ", expected ", want, ")"));
+  }
+  F32 out = F32::ensure(a);
+  if (finite) {
+    const float* p = out.data();
+    for (py::ssize_t i = 0; i < out.size(); ++i)
+      if (!std::isfinite(p[i]))
+        throw InputError(cat(name, " has a non-finite value ", p[i], " at flat index ", i));
+  }
+  return out;
+}
+
+// Any integer array-like -> int32 vector, range-checked.
+inline std::vector<int> as_ints(py::handle obj, const char* name) {
+  py::array a = py::array::ensure(obj);
+  if (!a || a.ndim() != 1)
+    throw InputError(cat(name, " must be a 1-D sequence of integers"));
+  if (a.size() == 0) return {};
+  if (a.dtype().kind() != 'i' && a.dtype().kind() != 'u')
+    throw InputError(cat(name, " must contain integers, got dtype ", std::string(py::str(a.dtype()))));
+  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  std::vector<int> out(v.size());
+  for (py::ssize_t i = 0; i < v.size(); ++i) {
+    const int64_t x = v.data()[i];
+    if (x < INT32_MIN || x > INT32_MAX) throw InputError(cat(name, "[", i, "] = ", x, " out of range"));
+    out[i] = int(x);
+  }
+  return out;
+}
+
+inline KVDtype parse_kv_dtype(const std::string& s) {
+  if (s == "int8") return KVDtype::Int8;
+  if (s == "f32") return KVDtype::F32;
+  throw InputError(cat("KV dtype must be 'int8' or 'f32', got '", s, "'"));
+}
+
+}  // namespace sapwood

@@ -1,0 +1,157 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common.h"
+#include "thread_pool.h"
+#include "tree.h"
+
+namespace sapwood {
+
+Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
+               int threads, int page_size)
+    : dims_(d), max_context_(max_context), threads_(threads > 0 ? threads : default_threads()) {
+  SW_CHECK(d.vocab > 0 && d.hidden > 0 && d.inter > 0 && d.n_layers() > 0, "bad model dims");
+  SW_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
+  SW_CHECK(d.n_attn() == 0 || (d.n_heads % d.n_kv_heads == 0 && d.head_dim % 32 == 0),
+           "attention needs heads divisible by KV heads and head_dim a multiple of 32");
+  SW_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "bad rotary_dim ", d.rotary_dim);
+  weights_ = load_weights(d, t, wfmt);
+  const int pages = (max_context + page_size - 1) / page_size;
+  pool_ = std::make_shared<KVPagePool>(pages, page_size, std::max(1, d.n_attn()),
+                                       std::max(1, d.n_kv_heads), std::max(32, d.head_dim), kv);
+  seq_ = std::make_unique<KVSequence>(pool_);
+  for (int l = 0; l < d.n_layers(); ++l)
+    if (!d.is_attn[l]) gdn_.emplace_back(d.gdn(), weights_.layers[l].conv_w.data());
+  tape_.resize(d.n_attn());
+}
+
+void Engine::check_tokens(const std::vector<int>& tokens) const {
+  SW_CHECK(!tokens.empty(), "no tokens given");
+  for (size_t i = 0; i < tokens.size(); ++i)
+    SW_CHECK(tokens[i] >= 0 && tokens[i] < dims_.vocab, "token id ", tokens[i], " at index ", i,
+             " is outside the vocabulary [0, ", dims_.vocab, ")");
+}
+
+std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows) {
+  check_tokens(tokens);
+  const int P = position(), T = int(tokens.size());
+  SW_CHECK(P + T <= max_context_, "context full: ", P, " committed + ", T, " new tokens > max_context ",
+           max_context_);
+  tape_parents_.clear();
+  seq_->reserve(P + T);
+  // A failure part-way (non-finite activations) must not leave some layers advanced.
+  const std::vector<GDNLayer> saved = gdn_;
+  try {
+    return prefill_chunks(tokens, all_rows, P);
+  } catch (...) {
+    gdn_ = saved;
+    seq_->truncate(P);
+    throw;
+  }
+}
+
+std::vector<float> Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P) {
+  const int T = int(tokens.size());
+  std::vector<float> out;
+  for (int c0 = 0; c0 < T; c0 += kPrefillChunk) {
+    const int n = std::min(kPrefillChunk, T - c0);
+    BatchLayout lay;
+    lay.n = n;
+    lay.prefill = true;
+    lay.hist_len = P + c0 + n;
+    for (int i = 0; i < n; ++i) {
+      lay.pos.push_back(P + c0 + i);
+      lay.row_len.push_back(P + c0 + i + 1);
+    }
+    const bool last = c0 + n == T;
+    const int from = all_rows ? 0 : (last ? n - 1 : n);
+    Forward f(dims_, weights_, threads_);
+    std::vector<float> logits = f.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from);
+    seq_->set_length(P + c0 + n);
+    out.insert(out.end(), logits.begin(), logits.end());
+  }
+  return out;
+}
+
+std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
+  SW_CHECK(tokens.size() == parents.size(), "tokens (", tokens.size(), ") and parents (",
+           parents.size(), ") differ in length");
+  check_tokens(tokens);
+  const int n = int(tokens.size());
+  check_parents(parents.data(), n);
+  BatchLayout lay;
+  lay.n = n;
+  lay.parents = parents;
+  lay.hist_len = position();
+  lay.anc = ancestor_table(parents.data(), n, &lay.anc_stride);
+  const std::vector<int> depth = tree_depths(parents.data(), n);
+  const int deepest = *std::max_element(depth.begin(), depth.end());
+  SW_CHECK(position() + deepest + 1 <= max_context_, "context full: position ", position(),
+           " + tree depth ", deepest + 1, " > max_context ", max_context_);
+  for (int i = 0; i < n; ++i) {
+    lay.pos.push_back(position() + depth[i]);
+    lay.row_len.push_back(position() + depth[i] + 1);
+  }
+  tape_parents_.clear();
+  Forward f(dims_, weights_, threads_);
+  std::vector<float> logits = f.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
+  tape_parents_ = parents;
+  return logits;
+}
+
+void Engine::commit(const std::vector<int>& path) {
+  SW_CHECK(!tape_parents_.empty(), "commit without a preceding verify");
+  check_path(tape_parents_.data(), int(tape_parents_.size()), path);
+  const int P = position(), m = int(path.size());
+  seq_->reserve(P + m);  // the only step that can fail: do it before changing anything
+  const int Hkv = dims_.n_kv_heads, D = dims_.head_dim;
+  for (size_t a = 0; a < tape_.size(); ++a)
+    for (int j = 0; j < m; ++j)
+      seq_->write(P + j, int(a), tape_[a].k.data() + size_t(path[j]) * Hkv * D,
+                  tape_[a].v.data() + size_t(path[j]) * Hkv * D);
+  seq_->set_length(P + m);
+  for (GDNLayer& g : gdn_) g.commit(path, threads_);
+  tape_parents_.clear();
+}
+
+void Engine::reset() {
+  seq_->truncate(0);
+  for (GDNLayer& g : gdn_) g.reset();
+  tape_parents_.clear();
+}
+
+std::shared_ptr<Snapshot> Engine::snapshot() const {
+  auto s = std::make_shared<Snapshot>();
+  s->length = position();
+  const size_t bytes = pool_->page_bytes();
+  for (int p : seq_->page_table()) {
+    const uint8_t* src = pool_->page_data(p);
+    s->pages.emplace_back(src, src + bytes);
+  }
+  s->gdn = gdn_;
+  return s;
+}
+
+void Engine::restore(const Snapshot& s) {
+  SW_CHECK(s.gdn.size() == gdn_.size(), "snapshot is from another model");
+  SW_CHECK(s.pages.empty() || s.pages[0].size() == pool_->page_bytes(), "snapshot is from another engine");
+  seq_->truncate(0);
+  seq_->reserve(s.length);
+  for (size_t i = 0; i < s.pages.size(); ++i)
+    std::memcpy(pool_->page_data(seq_->page_table()[i]), s.pages[i].data(), s.pages[i].size());
+  seq_->set_length(s.length);
+  gdn_ = s.gdn;
+  tape_parents_.clear();
+}
+
+size_t Engine::kv_bytes_used() const { return seq_->page_table().size() * pool_->page_bytes(); }
+
+size_t Engine::gdn_state_bytes() const {
+  size_t b = 0;
+  for (const GDNLayer& g : gdn_) b += g.state_bytes();
+  return b;
+}
+
+}  // namespace sapwood

@@ -1,0 +1,56 @@
+// The Engine of DESIGN.md: committed state (paged KV + GDN layers) and the three calls
+// prefill / verify / commit, plus snapshots of the committed state.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model.h"
+
+namespace sapwood {
+
+struct Snapshot {
+  int length = 0;
+  std::vector<std::vector<uint8_t>> pages;   // KV page contents, in page-table order
+  std::vector<GDNLayer> gdn;
+};
+
+class Engine {
+ public:
+  Engine(const ModelDims& dims, const TensorMap& weights, WFormat wfmt, KVDtype kv,
+         int max_context, int threads, int page_size = 64);
+
+  // Commit tokens; logits of the last row [V], or of every row [T][V].
+  std::vector<float> prefill(const std::vector<int>& tokens, bool all_rows);
+  // Score a tree (node 0 = root at position P); committed state unchanged. [N][V].
+  std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
+  void commit(const std::vector<int>& path);
+  void reset();
+  std::shared_ptr<Snapshot> snapshot() const;
+  void restore(const Snapshot& s);
+
+  int position() const { return seq_->length(); }
+  int max_context() const { return max_context_; }
+  const ModelDims& dims() const { return dims_; }
+  size_t weight_bytes() const { return weights_.bytes(); }
+  size_t kv_bytes() const { return pool_->bytes(); }
+  size_t kv_bytes_used() const;
+  size_t gdn_state_bytes() const;
+  int threads() const { return threads_; }
+
+  static constexpr int kPrefillChunk = 256;  // rows per forward while prefilling
+
+ private:
+  void check_tokens(const std::vector<int>& tokens) const;
+  std::vector<float> prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P);
+
+  ModelDims dims_;
+  ModelWeights weights_;
+  int max_context_, threads_;
+  std::shared_ptr<KVPagePool> pool_;
+  std::unique_ptr<KVSequence> seq_;
+  std::vector<GDNLayer> gdn_;
+  std::vector<KVTape> tape_;
+  std::vector<int> tape_parents_;   // empty: no verify to commit
+};
+
+}  // namespace sapwood

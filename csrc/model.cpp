@@ -1,0 +1,261 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "kernels/kernels.h"
+
+namespace sapwood {
+
+int ModelDims::n_attn() const { return int(std::count(is_attn.begin(), is_attn.end(), true)); }
+
+size_t ModelWeights::bytes() const {
+  size_t b = embed.bytes() + lm_head.bytes() + final_norm.size() * 4;
+  for (const auto& l : layers) {
+    for (const QMatrix* m : {&l.gate, &l.up, &l.down, &l.qkv, &l.z, &l.out, &l.ba, &l.q, &l.k, &l.v, &l.o})
+      b += m->bytes();
+    b += 4 * (l.in_norm.size() + l.post_norm.size() + l.conv_w.size() + l.dt_bias.size() +
+              l.neg_exp_a.size() + l.gnorm.size() + l.q_norm.size() + l.k_norm.size());
+  }
+  return b;
+}
+
+namespace {
+
+const Tensor& get(const TensorMap& t, const std::string& name, std::vector<int64_t> shape) {
+  auto it = t.find(name);
+  SW_CHECK(it != t.end(), "missing weight tensor '", name, "'");
+  SW_CHECK(it->second.shape == shape, "weight '", name, "' has the wrong shape");
+  for (int64_t i = 0, n = 1; i < (int64_t)shape.size(); ++i) n *= shape[i];
+  return it->second;
+}
+
+size_t numel(const Tensor& x) {
+  size_t n = 1;
+  for (auto s : x.shape) n *= size_t(s);
+  return n;
+}
+
+std::vector<float> vec(const Tensor& x) { return std::vector<float>(x.data, x.data + numel(x)); }
+
+std::vector<float> one_plus(const Tensor& x) {
+  std::vector<float> v = vec(x);
+  for (float& f : v) f += 1.0f;
+  return v;
+}
+
+void check_finite(const Tensor& x, const std::string& name) {
+  const size_t n = numel(x);
+  for (size_t i = 0; i < n; ++i)
+    SW_CHECK(std::isfinite(x.data[i]), "weight '", name, "' has a non-finite value at flat index ", i);
+}
+
+QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WFormat f) {
+  const Tensor& x = get(t, name, {rows, cols});
+  check_finite(x, name);
+  QMatrix m;
+  m.quantize(x.data, rows, cols, f);
+  return m;
+}
+
+// Zero-centred RMSNorm of each row: x * rsqrt(mean(x^2) + eps) * w1 (w1 = 1 + w), fp32,
+// sum of squares in index order.
+void rms_norm(const float* x, const float* w1, int n, int dim, float eps, float* out) {
+  for (int r = 0; r < n; ++r) {
+    const float* xr = x + size_t(r) * dim;
+    float ss = 0.0f;
+    for (int i = 0; i < dim; ++i) ss = std::fmaf(xr[i], xr[i], ss);
+    const float inv = 1.0f / std::sqrt(ss / float(dim) + eps);
+    float* o = out + size_t(r) * dim;
+    for (int i = 0; i < dim; ++i) o[i] = xr[i] * inv * w1[i];
+  }
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// Rotate-half RoPE on the first rot dims of each head; angles in double from the position.
+void rope(float* x, int heads, int head_dim, int rot, int pos, float theta) {
+  const int half = rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const double inv = 1.0 / std::pow(double(theta), double(2 * i) / double(rot));
+    const double ang = double(pos) * inv;
+    const float c = float(std::cos(ang)), s = float(std::sin(ang));
+    for (int h = 0; h < heads; ++h) {
+      float* xh = x + size_t(h) * head_dim;
+      const float a = xh[i], b = xh[i + half];
+      xh[i] = a * c - b * s;
+      xh[i + half] = b * c + a * s;
+    }
+  }
+}
+
+}  // namespace
+
+ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
+  ModelWeights w;
+  const int H = d.hidden, D = d.head_dim, C = d.conv_dim();
+  w.embed = qmat(t, "model.embed_tokens.weight", d.vocab, H, f);
+  if (!d.tied) w.lm_head = qmat(t, "lm_head.weight", d.vocab, H, f);
+  w.final_norm = one_plus(get(t, "model.norm.weight", {H}));
+  for (int i = 0; i < d.n_layers(); ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    LayerWeights L;
+    L.in_norm = one_plus(get(t, p + "input_layernorm.weight", {H}));
+    L.post_norm = one_plus(get(t, p + "post_attention_layernorm.weight", {H}));
+    L.gate = qmat(t, p + "mlp.gate_proj.weight", d.inter, H, f);
+    L.up = qmat(t, p + "mlp.up_proj.weight", d.inter, H, f);
+    L.down = qmat(t, p + "mlp.down_proj.weight", H, d.inter, f);
+    if (d.is_attn[i]) {
+      const std::string a = p + "self_attn.";
+      L.q = qmat(t, a + "q_proj.weight", 2 * d.n_heads * D, H, f);
+      L.k = qmat(t, a + "k_proj.weight", d.n_kv_heads * D, H, f);
+      L.v = qmat(t, a + "v_proj.weight", d.n_kv_heads * D, H, f);
+      L.o = qmat(t, a + "o_proj.weight", H, d.n_heads * D, f);
+      L.q_norm = one_plus(get(t, a + "q_norm.weight", {D}));
+      L.k_norm = one_plus(get(t, a + "k_norm.weight", {D}));
+    } else {
+      const std::string a = p + "linear_attn.";
+      L.qkv = qmat(t, a + "in_proj_qkv.weight", C, H, f);
+      L.z = qmat(t, a + "in_proj_z.weight", d.hv * d.dv, H, f);
+      L.out = qmat(t, a + "out_proj.weight", H, d.hv * d.dv, f);
+      const Tensor& b = get(t, a + "in_proj_b.weight", {d.hv, H});
+      const Tensor& aa = get(t, a + "in_proj_a.weight", {d.hv, H});
+      std::vector<float> ba(vec(b));
+      ba.insert(ba.end(), aa.data, aa.data + numel(aa));
+      L.ba.quantize(ba.data(), 2 * d.hv, H, WFormat::F32);
+      L.conv_w = vec(get(t, a + "conv1d.weight", {C, 1, d.conv_k}));
+      L.dt_bias = vec(get(t, a + "dt_bias", {d.hv}));
+      L.neg_exp_a = vec(get(t, a + "A_log", {d.hv}));
+      for (float& x : L.neg_exp_a) x = -std::exp(x);
+      L.gnorm = vec(get(t, a + "norm.weight", {d.dv}));
+    }
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
+void Forward::mm(const QMatrix& w, const float* x, int n, float* y) {
+  if (w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4) acts_.quantize(x, n, w.cols, w.cols_pad);
+  MatmulProblem pb{&w, x, &acts_, n, y};
+  kernels().matmul(pb, threads_);
+}
+
+void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out) {
+  const LayerWeights& L = w_.layers[l];
+  const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
+  std::vector<float> qkv(size_t(n) * C), z(size_t(n) * V), ba(size_t(n) * 2 * hv);
+  mm(L.qkv, h, n, qkv.data());
+  mm(L.z, h, n, z.data());
+  mm(L.ba, h, n, ba.data());
+  std::vector<float> beta(size_t(n) * hv), gdec(size_t(n) * hv), o(size_t(n) * V);
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < hv; ++j) {
+      beta[size_t(i) * hv + j] = sigmoid(ba[size_t(i) * 2 * hv + j]);
+      gdec[size_t(i) * hv + j] =
+          L.neg_exp_a[j] * softplus(ba[size_t(i) * 2 * hv + hv + j] + L.dt_bias[j]);
+    }
+  if (lay.prefill)
+    g.prefill(qkv.data(), gdec.data(), beta.data(), n, o.data(), threads_);
+  else
+    g.verify(qkv.data(), gdec.data(), beta.data(), lay.parents.data(), n, o.data(), threads_);
+  // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
+  for (int i = 0; i < n; ++i)
+    for (int hh = 0; hh < hv; ++hh) {
+      float* oh = o.data() + size_t(i) * V + size_t(hh) * dv;
+      const float* zh = z.data() + size_t(i) * V + size_t(hh) * dv;
+      float ss = 0.0f;
+      for (int j = 0; j < dv; ++j) ss = std::fmaf(oh[j], oh[j], ss);
+      const float inv = 1.0f / std::sqrt(ss / float(dv) + d_.eps);
+      for (int j = 0; j < dv; ++j) oh[j] = L.gnorm[j] * (oh[j] * inv) * silu(zh[j]);
+    }
+  mm(L.out, o.data(), n, out);
+}
+
+void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
+                         KVTape& tape, float* out) {
+  const LayerWeights& L = w_.layers[l];
+  const int n = lay.n, D = d_.head_dim, Hq = d_.n_heads, Hkv = d_.n_kv_heads;
+  std::vector<float> qg(size_t(n) * Hq * 2 * D), q(size_t(n) * Hq * D), gate(size_t(n) * Hq * D);
+  tape.k.resize(size_t(n) * Hkv * D);
+  tape.v.resize(size_t(n) * Hkv * D);
+  mm(L.q, h, n, qg.data());
+  mm(L.k, h, n, tape.k.data());
+  mm(L.v, h, n, tape.v.data());
+  for (int i = 0; i < n; ++i) {
+    for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
+      const float* src = qg.data() + (size_t(i) * Hq + hh) * 2 * D;
+      rms_norm(src, L.q_norm.data(), 1, D, d_.eps, q.data() + (size_t(i) * Hq + hh) * D);
+      std::copy(src + D, src + 2 * D, gate.data() + (size_t(i) * Hq + hh) * D);
+    }
+    float* kr = tape.k.data() + size_t(i) * Hkv * D;
+    rms_norm(kr, L.k_norm.data(), Hkv, D, d_.eps, kr);
+    rope(q.data() + size_t(i) * Hq * D, Hq, D, d_.rotary_dim, lay.pos[i], d_.rope_theta);
+    rope(kr, Hkv, D, d_.rotary_dim, lay.pos[i], d_.rope_theta);
+  }
+  std::vector<float> kt, vt;
+  if (lay.prefill) {
+    // The rows are positions hist_len - n .. hist_len - 1, committed as they go: their keys
+    // and values are written to pages first and read back from there like any history.
+    const int start = lay.hist_len - n;
+    for (int i = 0; i < n; ++i)
+      seq.write(start + i, a, tape.k.data() + size_t(i) * Hkv * D, tape.v.data() + size_t(i) * Hkv * D);
+  } else {
+    // Tree rows see each other's keys as the cache will hold them: int8-roundtripped.
+    const KVDtype dt = seq.pool().dtype();
+    kt.resize(tape.k.size());
+    vt.resize(tape.v.size());
+    for (size_t r = 0; r < size_t(n) * Hkv; ++r) {
+      kv_roundtrip(tape.k.data() + r * D, D, dt, kt.data() + r * D);
+      kv_roundtrip(tape.v.data() + r * D, D, dt, vt.data() + r * D);
+    }
+  }
+  std::vector<float> att(size_t(n) * Hq * D);
+  AttnProblem pb{n, Hq, Hkv, D, q.data(), att.data(), lay.row_len.data(), lay.hist_len, &seq,
+                 a, kt.data(), vt.data(), lay.anc.data(), lay.anc_stride, kAttnSplit,
+                 1.0f / std::sqrt(float(D))};
+  kernels().tree_attention(pb, threads_);
+  for (size_t i = 0; i < att.size(); ++i) att[i] *= sigmoid(gate[i]);
+  mm(L.o, att.data(), n, out);
+}
+
+}  // namespace sapwood
+
+namespace sapwood {
+
+std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
+                                std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape,
+                                int logit_from) {
+  const int n = lay.n, H = d_.hidden, I = d_.inter;
+  std::vector<float> x(size_t(n) * H), h(size_t(n) * H), mix(size_t(n) * H);
+  for (int i = 0; i < n; ++i) w_.embed.dequant_row(tokens[i], x.data() + size_t(i) * H);
+  std::vector<float> g(size_t(n) * I), u(size_t(n) * I);
+  int a = 0, gi = 0;
+  for (int l = 0; l < d_.n_layers(); ++l) {
+    const LayerWeights& L = w_.layers[l];
+    rms_norm(x.data(), L.in_norm.data(), n, H, d_.eps, h.data());
+    if (d_.is_attn[l]) {
+      attn_mixer(l, a, h.data(), lay, seq, tape[a], mix.data());
+      ++a;
+    } else {
+      gdn_mixer(l, gdn[gi++], h.data(), lay, mix.data());
+    }
+    for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
+    rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
+    mm(L.gate, h.data(), n, g.data());
+    mm(L.up, h.data(), n, u.data());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
+    mm(L.down, g.data(), n, mix.data());
+    for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
+  }
+  const int m = n - logit_from;
+  rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
+  std::vector<float> logits(size_t(m) * d_.vocab);
+  mm(d_.tied ? w_.embed : w_.lm_head, h.data(), m, logits.data());
+  return logits;
+}
+
+}  // namespace sapwood

@@ -1,0 +1,90 @@
+// The Qwen3.5 dense hybrid model: dims, weights in the chosen format, and the forward pass of
+// a batch of rows (a prompt chunk or a tree) against committed state owned by the Engine.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gdn_layer.h"
+#include "kv_cache.h"
+#include "weights.h"
+
+namespace sapwood {
+
+struct ModelDims {
+  int vocab = 0, hidden = 0, inter = 0;
+  std::vector<bool> is_attn;          // per layer: full attention (else GDN)
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  float rope_theta = 10000.0f, eps = 1e-6f;
+  bool tied = false;
+  int hk = 0, dk = 0, hv = 0, dv = 0, conv_k = 4;
+  bool tiled = false;
+  int n_layers() const { return int(is_attn.size()); }
+  int n_attn() const;
+  GDNDims gdn() const { return GDNDims{hk, hv, dk, dv, conv_k, tiled}; }
+  int conv_dim() const { return 2 * hk * dk + hv * dv; }
+};
+
+// A named float32 tensor handed over from Python (already shape-checked there and here).
+struct Tensor {
+  const float* data;
+  std::vector<int64_t> shape;
+};
+using TensorMap = std::map<std::string, Tensor>;
+
+struct LayerWeights {
+  std::vector<float> in_norm, post_norm;   // stored as (1 + w): zero-centred RMSNorm
+  QMatrix gate, up, down;
+  // GDN
+  QMatrix qkv, z, out;
+  QMatrix ba;                              // in_proj_b | in_proj_a rows, always f32 (tiny)
+  std::vector<float> conv_w, dt_bias, neg_exp_a, gnorm;
+  // attention
+  QMatrix q, k, v, o;
+  std::vector<float> q_norm, k_norm;       // (1 + w)
+};
+
+struct ModelWeights {
+  QMatrix embed, lm_head;                  // lm_head empty when tied
+  std::vector<float> final_norm;           // (1 + w)
+  std::vector<LayerWeights> layers;
+  size_t bytes() const;
+};
+
+ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat fmt);
+
+// Where a batch of rows sits: row i at absolute position pos[i]. Attention keys of positions
+// < hist_len come from pages; >= hist_len from this batch's rows via anc (see AttnProblem).
+struct BatchLayout {
+  int n = 0;
+  std::vector<int> pos, row_len, parents, anc;
+  int anc_stride = 0, hist_len = 0;
+  bool prefill = false;   // rows are a chain committed as they go (K/V written to pages first)
+};
+
+// Per-attention-layer K/V of the rows of the last forward (for commit), f32 [n][Hkv][D].
+struct KVTape {
+  std::vector<float> k, v;
+};
+
+class Forward {
+ public:
+  Forward(const ModelDims& d, const ModelWeights& w, int threads) : d_(d), w_(w), threads_(threads) {}
+  // Runs the rows through every layer. Returns final hidden states after the final norm for
+  // rows [logit_from, n) as logits [n - logit_from][V].
+  std::vector<float> run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
+                         std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from);
+
+ private:
+  void mm(const QMatrix& w, const float* x, int n, float* y);
+  void gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out);
+  void attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
+                  KVTape& tape, float* out);
+
+  const ModelDims& d_;
+  const ModelWeights& w_;
+  int threads_;
+  QActs acts_;
+};
+
+}  // namespace sapwood

@@ -1,0 +1,122 @@
+#include "weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+
+namespace sapwood {
+
+WFormat parse_wformat(const char* s) {
+  std::string f(s);
+  if (f == "f32") return WFormat::F32;
+  if (f == "bf16") return WFormat::BF16;
+  if (f == "q8") return WFormat::Q8;
+  if (f == "q4") return WFormat::Q4;
+  throw InputError(cat("weights format must be one of f32, bf16, q8, q4; got '", f, "'"));
+}
+
+uint16_t f32_to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFF + ((u >> 16) & 1);  // round to nearest even (inputs are finite)
+  return uint16_t(u >> 16);
+}
+
+static int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
+  fmt = f, rows = r, cols = c;
+  f32.clear(), bf16.clear(), q8.clear(), q4.clear(), scale.clear();
+  if (f == WFormat::F32 || f == WFormat::BF16) {
+    const int rb = round_up(r, kOutBlock);
+    std::vector<float> packed(size_t(rb) * c, 0.0f);
+    for (int o = 0; o < r; ++o)
+      for (int k = 0; k < c; ++k)
+        packed[(size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock] = w[size_t(o) * c + k];
+    if (f == WFormat::F32) {
+      f32.swap(packed);
+    } else {
+      bf16.resize(packed.size());
+      for (size_t i = 0; i < packed.size(); ++i) bf16[i] = f32_to_bf16(packed[i]);
+    }
+  } else if (f == WFormat::Q8) {
+    cols_pad = round_up(c, 32);
+    q8.assign(size_t(r) * cols_pad, 0);
+    scale.resize(r);
+    for (int o = 0; o < r; ++o) {
+      const float* wr = w + size_t(o) * c;
+      float amax = 0.0f;
+      for (int k = 0; k < c; ++k) amax = std::fmax(amax, std::fabs(wr[k]));
+      const float s = amax / 127.0f;
+      scale[o] = s;
+      for (int k = 0; k < c; ++k)
+        q8[size_t(o) * cols_pad + k] = s == 0.0f ? 0 : int8_t(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(wr[k] / s))));
+    }
+  } else {
+    cols_pad = round_up(c, kQ4Group);
+    const int groups = cols_pad / kQ4Group;
+    q4.assign(size_t(r) * cols_pad / 2, 0x88);
+    scale.assign(size_t(r) * groups, 0.0f);
+    for (int o = 0; o < r; ++o)
+      for (int g = 0; g < groups; ++g) {
+        const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
+        float amax = 0.0f;
+        for (int k = k0; k < k1; ++k) amax = std::fmax(amax, std::fabs(w[size_t(o) * c + k]));
+        const float s = amax / 7.0f;
+        scale[size_t(o) * groups + g] = s;
+        for (int k = k0; k < k1; ++k) {
+          int q = s == 0.0f ? 0 : int(std::fmax(-7.0f, std::fmin(7.0f, std::nearbyint(w[size_t(o) * c + k] / s))));
+          uint8_t& byte = q4[q4_byte(o, k)];
+          byte = (k - k0) < kQ4Group / 2 ? uint8_t((byte & 0xF0) | (q + 8)) : uint8_t((byte & 0x0F) | ((q + 8) << 4));
+        }
+      }
+  }
+}
+
+size_t QMatrix::bytes() const {
+  return f32.size() * 4 + bf16.size() * 2 + q8.size() + q4.size() + scale.size() * 4;
+}
+
+void QMatrix::dequant_row(int o, float* out) const {
+  switch (fmt) {
+    case WFormat::F32:
+    case WFormat::BF16:
+      for (int k = 0; k < cols; ++k) {
+        const size_t i = (size_t(o / kOutBlock) * cols + k) * kOutBlock + o % kOutBlock;
+        out[k] = fmt == WFormat::F32 ? f32[i] : bf16_to_f32(bf16[i]);
+      }
+      break;
+    case WFormat::Q8:
+      for (int k = 0; k < cols; ++k) out[k] = float(q8[size_t(o) * cols_pad + k]) * scale[o];
+      break;
+    case WFormat::Q4: {
+      const int groups = cols_pad / kQ4Group;
+      for (int k = 0; k < cols; ++k) {
+        const uint8_t b = q4[q4_byte(o, k)];
+        const int q = ((k % kQ4Group) < kQ4Group / 2 ? (b & 0xF) : (b >> 4)) - 8;
+        out[k] = float(q) * scale[size_t(o) * groups + k / kQ4Group];
+      }
+      break;
+    }
+  }
+}
+
+void QActs::quantize(const float* x, int rows, int cols, int pad) {
+  n = rows, cols_pad = pad;
+  xq.assign(size_t(rows) * pad, 0);
+  xs.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + size_t(r) * cols;
+    float amax = 0.0f;
+    for (int k = 0; k < cols; ++k) amax = std::fmax(amax, std::fabs(xr[k]));
+    const float s = amax / 127.0f;
+    xs[r] = s;
+    if (s == 0.0f) continue;
+    for (int k = 0; k < cols; ++k)
+      xq[size_t(r) * pad + k] = int8_t(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(xr[k] / s))));
+  }
+}
+
+}  // namespace sapwood

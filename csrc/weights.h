@@ -1,0 +1,59 @@
+// Weight matrices in the formats chosen at load time, and row-wise activation quantization.
+//
+// Formats (y = x W^T, W [rows = outputs][cols = inputs]):
+//   F32  : fp32, packed [rows/16][cols][16] so 16 outputs accumulate side by side.
+//   BF16 : the same layout in bfloat16 (round to nearest even from fp32).
+//   Q8   : int8 per output channel, scale = amax/127 per row of W; [rows][cols32].
+//   Q4   : symmetric 4-bit, groups of 64 inputs: scale = amax/7, q in [-7, 7] stored +8 in
+//          nibbles; byte j of a group holds input j (low nibble) and input j+32 (high), so
+//          a group unpacks into two contiguous runs of 32. [rows][cols64/2] + [rows][groups].
+// Q8 and Q4 multiply int8 activations, quantized per row (scale = amax/127), with exact int32
+// dot products; so a row's result never depends on the other rows in the batch.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace sapwood {
+
+enum class WFormat { F32, BF16, Q8, Q4 };
+WFormat parse_wformat(const char* s);  // "f32" | "bf16" | "q8" | "q4"
+
+constexpr int kOutBlock = 16;   // F32/BF16 output block
+constexpr int kQ4Group = 64;
+
+struct QMatrix {
+  WFormat fmt = WFormat::F32;
+  int rows = 0, cols = 0;
+  int cols_pad = 0;                 // Q8: multiple of 32; Q4: multiple of 64
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  std::vector<int8_t> q8;
+  std::vector<uint8_t> q4;
+  std::vector<float> scale;
+
+  void quantize(const float* w, int rows, int cols, WFormat fmt);
+  size_t q4_byte(int o, int k) const {
+    return (size_t(o) * cols_pad + (k / kQ4Group) * kQ4Group) / 2 + (k % kQ4Group) % (kQ4Group / 2);
+  }
+  size_t bytes() const;
+  void dequant_row(int r, float* out) const;  // the weights as the matmul sees them
+};
+
+// Row-wise int8 activations for Q8/Q4: xq [n][cols_pad] (zero padded), xs [n].
+struct QActs {
+  int n = 0, cols_pad = 0;
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  void quantize(const float* x, int n, int cols, int cols_pad);
+};
+
+uint16_t f32_to_bf16(float x);
+inline float bf16_to_f32(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace sapwood
