@@ -1,0 +1,165 @@
+"""`load(path)`: an HF checkpoint directory -> `Model` (engine + tokenizer + config).
+
+Everything that can be checked in Python is checked before the engine is built: arguments, then
+config.json, then every tensor's name and shape. A bad checkpoint fails with a ValueError naming
+what is wrong instead of a crash or garbage logits inside C++.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import _core
+from .model import Model
+from .reference.model import FULL, ModelConfig, expected_shapes, normalize_names
+from .safetensors_io import load_checkpoint_weights
+
+WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+KV_FORMATS = ("int8", "f32")
+BACKENDS = ("cpu",)                      # built in this install
+KNOWN_BACKENDS = ("metal", "sycl", "cuda")  # exist in the design, not (yet) built here
+
+
+def check_args(weights, kv, backend, threads, max_context) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r}: must be one of {', '.join(WEIGHT_FORMATS)}")
+    if kv not in KV_FORMATS:
+        raise ValueError(f"kv={kv!r}: must be one of {', '.join(KV_FORMATS)}")
+    if backend in KNOWN_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not built in this install "
+                         f"(available: {', '.join(BACKENDS)})")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: unknown backend (available: {', '.join(BACKENDS)})")
+    # bool is an int subclass; True as a thread count or context length is a caller mistake
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+        raise ValueError(f"threads={threads!r}: must be None (engine default) or an int >= 0")
+    if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context <= 0:
+        raise ValueError(f"max_context={max_context!r}: must be a positive int")
+
+
+def engine_dims(cfg: ModelConfig) -> dict:
+    """The `dims` dict of `_core.Engine`: the model's shape, nothing about its weights."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        layer_is_attention=[t == FULL for t in cfg.layer_types],
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rotary_dim=cfg.rotary_dim, rope_theta=float(cfg.rope_theta), rms_norm_eps=float(cfg.rms_norm_eps),
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        hk=cfg.hk, dk=cfg.dk, hv=cfg.hv, dv=cfg.dv, conv_kernel=cfg.conv_kernel, head_order=cfg.head_order)
+
+
+def _few(names, k=5) -> str:
+    names = sorted(names)
+    return ", ".join(names[:k]) + (f" ... ({len(names)} in all)" if len(names) > k else "")
+
+
+def check_weights(cfg: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
+    """Match checkpoint tensors (already normalize_names'd) to expected_shapes(cfg).
+
+    Returns {name: C-contiguous float32} with exactly the expected names, in their order.
+    """
+    shapes = expected_shapes(cfg)
+    tensors = dict(tensors)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # HF ties lm_head to embed_tokens whatever the file holds
+    missing = [n for n in shapes if n not in tensors]
+    if missing:
+        hint = (" (config says tie_word_embeddings=false; is the model tied?)"
+                if missing == ["lm_head.weight"] else "")
+        raise ValueError(f"missing tensor {missing[0]!r}{hint}"
+                         + (f"; {len(missing)} missing in all: {_few(missing)}" if len(missing) > 1 else ""))
+    extra = set(tensors) - set(shapes)
+    if extra:  # e.g. biases or MoE experts: ignoring them would silently compute another model
+        raise ValueError(f"unexpected tensors not used by this model: {_few(extra)}")
+    out = {}
+    for name, shape in shapes.items():
+        x = tensors[name]
+        if tuple(x.shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
+        if x.dtype.kind != "f":
+            raise ValueError(f"tensor {name!r} has dtype {x.dtype}; expected a floating-point "
+                             "tensor (pre-quantized checkpoints are not supported)")
+        out[name] = np.ascontiguousarray(x, dtype=np.float32)
+    return out
+
+
+def _read_json(p: Path, what: str) -> dict:
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{p}: {what} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{p}: {what} must be a JSON object")
+    return d
+
+
+def _chat_template(d: Path) -> str | None:
+    """HF keeps the template in chat_template.jinja (newer) or tokenizer_config.json (older);
+    the .jinja file wins, as in transformers. A list of named templates -> the "default" one."""
+    if (d / "chat_template.jinja").is_file():
+        return (d / "chat_template.jinja").read_text(encoding="utf-8")
+    if not (d / "tokenizer_config.json").is_file():
+        return None
+    t = _read_json(d / "tokenizer_config.json", "tokenizer_config.json").get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+@dataclass
+class Checkpoint:
+    """What `read_checkpoint` found; `weights` is ready for the engine (see check_weights)."""
+    path: Path
+    config: ModelConfig
+    weights: dict
+    tokenizer: object
+    generation_config: dict
+    chat_template: str | None
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """Read and validate an HF checkpoint directory without building an engine."""
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
+    if not (d / "config.json").is_file():
+        raise ValueError(f"{d}: no config.json")
+    cfg = ModelConfig.from_dict(_read_json(d / "config.json", "config.json"))
+    gen = {}
+    if (d / "generation_config.json").is_file():
+        gen = _read_json(d / "generation_config.json", "generation_config.json")
+    weights = check_weights(cfg, normalize_names(load_checkpoint_weights(d)))
+    tokenizer = None
+    if (d / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        try:
+            tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise ValueError(f"{d / 'tokenizer.json'}: cannot be loaded: {e}") from None
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        if n > cfg.vocab_size:  # ids past the embedding table would index out of bounds
+            raise ValueError(f"{d / 'tokenizer.json'}: {n} tokens, more than the model's "
+                             f"vocab_size={cfg.vocab_size}")
+    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d))
+
+
+def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", threads=None,
+         max_context: int = 4096) -> Model:
+    """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`.
+
+    weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4".
+    kv: "int8" (paged int8 KV cache, the default) or "f32".
+    threads: engine worker threads; None lets the engine choose.
+    max_context: the most tokens a sequence may hold (prompt + generated + tree).
+    """
+    check_args(weights, kv, backend, threads, max_context)
+    ck = read_checkpoint(path)
+    if not hasattr(_core, "Engine"):
+        raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
+    engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
+                          0 if threads is None else threads)
+    return Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
+                 weights=weights, kv=kv, backend=backend, max_context=max_context)

@@ -1,0 +1,169 @@
+"""A small reader of the safetensors format: numpy only, no pickle, no torch.
+
+Layout: an 8-byte little-endian header length N, N bytes of JSON
+`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then the
+data; offsets are relative to the first byte after the header. Everything is checked before any
+array is made, so a corrupt or truncated file fails with a ValueError naming the file and tensor
+rather than yielding garbage weights.
+
+Floating tensors come back as float32 (the engine's input type; BF16 widens exactly by a 16-bit
+shift), integer and bool tensors in their own native dtype.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+# safetensors dtype -> little-endian numpy storage type. F8_* are left out: no reader of ours
+# could widen them correctly yet, so they are reported as unsupported rather than misread.
+_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}
+_FLOATS = ("F64", "F32", "F16", "BF16")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:  # json.loads would silently keep the last one
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def read_header(path) -> tuple[dict, int, int]:
+    """Parse and validate the header: ({name: (dtype, shape, begin, end)}, data start, data size).
+
+    `__metadata__` is skipped. Raises ValueError naming the file (and tensor) on any defect.
+    """
+    path = Path(path)
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ValueError(f"{path}: {size} bytes, too short for a safetensors file (no header length)")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            raise ValueError(f"{path}: header length {n} exceeds the file size {size} "
+                             "(truncated file, or not a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    data_size = size - 8 - n
+    tensors, spans = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise ValueError(f"{where}: entry must have dtype, shape and data_offsets, got {info!r}")
+        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _DTYPES:
+            raise ValueError(f"{where}: unknown or unsupported dtype {dtype!r} "
+                             f"(supported: {', '.join(_DTYPES)})")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise ValueError(f"{where}: bad shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise ValueError(f"{where}: bad data_offsets {offs!r} (need [begin, end], 0 <= begin <= end)")
+        begin, end = offs
+        if end > data_size:
+            raise ValueError(f"{where}: data_offsets {offs} run past the end of the data "
+                             f"({data_size} bytes; truncated file?)")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+        if nbytes != end - begin:
+            raise ValueError(f"{where}: shape {shape} of {dtype} needs {nbytes} bytes, "
+                             f"data_offsets {offs} span {end - begin}")
+        tensors[name] = (dtype, tuple(shape), begin, end)
+        spans.append((begin, end, name))
+    # Overlap means two tensors share bytes: a corrupt (or hostile) header. Empty tensors own none.
+    spans.sort()
+    prev_end, prev = 0, None
+    for begin, end, name in spans:
+        if begin < prev_end and end > begin:
+            raise ValueError(f"{path}: tensor {name!r} data_offsets [{begin}, {end}] overlap "
+                             f"tensor {prev!r} (ending at {prev_end})")
+        if end > begin:
+            prev_end, prev = end, name
+    return tensors, 8 + n, data_size
+
+
+def _to_array(buf, dtype: str, shape: tuple) -> np.ndarray:
+    x = np.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
+    if dtype == "BF16":  # bf16 is the top half of a float32: widening is exact
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    if dtype in _FLOATS:
+        return x.astype(np.float32)  # always a copy: aligned, writable, native byte order
+    return x.astype(x.dtype.newbyteorder("="))
+
+
+def read_safetensors(path, names=None) -> dict[str, np.ndarray]:
+    """Read tensors of one .safetensors file (all of them, or `names`) as numpy arrays.
+
+    F32/F16/BF16/F64 -> float32; integer and BOOL dtypes stay as they are (native byte order).
+    The file is memory-mapped, so only the requested tensors are read from disk.
+    """
+    path = Path(path)
+    tensors, start, data_size = read_header(path)
+    if names is None:
+        names = list(tensors)
+    else:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"{path}: no tensor {missing[0]!r} in this file"
+                             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+    if data_size == 0:  # np.memmap refuses empty mappings; every tensor here is empty
+        data = np.zeros(0, np.uint8)
+    else:
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(data_size,))
+    out = {}
+    for name in names:
+        dtype, shape, begin, end = tensors[name]
+        out[name] = _to_array(data[begin:end], dtype, shape)
+    del data  # the arrays are copies; close the mapping now rather than at GC
+    return out
+
+
+def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory: `model.safetensors`, or the shards listed in
+    `model.safetensors.index.json` (its `weight_map`: tensor name -> shard file).
+
+    As transformers does, a single file wins over an index when both exist.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
+    if (d / SINGLE_FILE).is_file():
+        return read_safetensors(d / SINGLE_FILE)
+    index = d / INDEX_FILE
+    if not index.is_file():
+        others = sorted(p.name for p in d.glob("*.safetensors"))
+        hint = f"; found {others[:4]} but no index naming them" if others else ""
+        raise ValueError(f"{d}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {e}") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard files")
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    for shard in shards:  # check every shard before reading any: fail fast on a partial download
+        if not (d / shard).is_file():
+            raise ValueError(f"{d}: shard {shard!r} listed in {INDEX_FILE} is missing "
+                             f"(holds {len(shards[shard])} tensors, e.g. {shards[shard][0]!r})")
+    out = {}
+    for shard, names in shards.items():
+        out.update(read_safetensors(d / shard, names))
+    return out

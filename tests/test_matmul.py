@@ -1,0 +1,82 @@
+"""Matmul kernels for every weight format: exact against a numpy model of the same arithmetic,
+and batch invariant bit for bit (a row's result never depends on the other rows)."""
+import numpy as np
+import pytest
+
+from sapwood import _core
+from util import ISAS, isa
+
+FORMATS = ["f32", "bf16", "q8", "q4"]
+
+
+def quantize_rows(x):
+    """The activation quantization Q8/Q4 use: per row, scale = amax/127, rint, clamp."""
+    s = (np.abs(x).max(1) / np.float32(127)).astype(np.float32)
+    safe = np.where(s == 0, 1, s)[:, None]
+    q = np.clip(np.rint(x / safe), -127, 127)
+    return q * s[:, None]
+
+
+@pytest.mark.parametrize("shape", [(70, 100), (256, 64), (33, 300)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_dequantized_oracle(fmt, shape):
+    """Tolerance: float32 accumulation over <= 300 products of O(1) terms vs float64: 1e-4
+    relative to the output scale; the quantized formats see the same quantized activations."""
+    rng = np.random.default_rng(shape[0])
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((9, shape[1])).astype(np.float32)
+    m = _core.WeightMatrix(w, fmt)
+    xe = quantize_rows(x) if fmt in ("q8", "q4") else x
+    want = xe.astype(np.float64) @ m.dequantized().astype(np.float64).T
+    got = m.matmul(x)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantized_weights_are_close(fmt):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((40, 128)).astype(np.float32)
+    d = _core.WeightMatrix(w, fmt).dequantized()
+    # half a quantization step: f32 exact, bf16 2^-9 relative, q8 amax/254, q4 amax/14 per group
+    bound = {"f32": 0.0, "bf16": np.abs(w).max() * 2.0 ** -8, "q8": np.abs(w).max() / 254 * 1.001,
+             "q4": np.abs(w).max() / 14 * 1.001}[fmt]
+    assert np.abs(d - w).max() <= bound
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batch_invariant_bitwise(fmt):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((100, 200)).astype(np.float32)
+    x = rng.standard_normal((16, 200)).astype(np.float32)
+    m = _core.WeightMatrix(w, fmt)
+    full = m.matmul(x)
+    for n in [1, 3, 5, 16]:
+        for start in range(0, 16, n):
+            part = m.matmul(x[start:start + n])
+            assert (part == full[start:start + n]).all()
+    assert (m.matmul(x, threads=1) == m.matmul(x, threads=2)).all()
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_variants_bitwise(fmt):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((50, 160)).astype(np.float32)
+    x = rng.standard_normal((7, 160)).astype(np.float32)
+    m = _core.WeightMatrix(w, fmt)
+    outs = []
+    for name in ISAS:
+        with isa(name):
+            outs.append(m.matmul(x))
+    for o in outs[1:]:
+        assert (o == outs[0]).all()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="weights format"):
+        _core.WeightMatrix(np.ones((2, 2), np.float32), "q3")
+    m = _core.WeightMatrix(np.ones((4, 8), np.float32), "q8")
+    with pytest.raises(ValueError, match="x has shape"):
+        m.matmul(np.ones((2, 9), np.float32))
+    with pytest.raises(ValueError, match="non-finite"):
+        m.matmul(np.full((1, 8), np.nan, np.float32))
