@@ -146,9 +146,24 @@ def read_checkpoint(path) -> Checkpoint:
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d))
 
 
+DEFAULT_DIR = Path(__file__).parent / "data" / "default"
+
+
+def _bundled(part: str) -> Path:
+    d = DEFAULT_DIR / part
+    if not (d / "config.json").is_file():
+        raise ValueError(f"the bundled default model is not in this install ({d} is missing)")
+    return d
+
+
+def default_draft_path() -> Path:
+    return _bundled("draft")
+
+
 def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", threads=None,
          max_context: int = 4096) -> Model:
-    """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`.
+    """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`;
+    "default" loads the bundled target with its draft model attached.
 
     weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4".
     kv: "int8" (paged int8 KV cache, the default) or "f32".
@@ -156,6 +171,12 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", t
     max_context: the most tokens a sequence may hold (prompt + generated + tree).
     """
     check_args(weights, kv, backend, threads, max_context)
+    if isinstance(path, str) and path == "default":  # the bundled pair: target + attached draft
+        model = load(_bundled("target"), weights=weights, kv=kv, backend=backend,
+                     threads=threads, max_context=max_context)
+        model.draft = load(_bundled("draft"), weights=weights, kv=kv, backend=backend,
+                           threads=threads, max_context=max_context)
+        return model
     ck = read_checkpoint(path)
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from .reference.model import FULL, ModelConfig
 
+_NO_DEFAULT = object()
+
 
 class Model:
     """The engine with its weights, plus what the checkpoint directory says about the model.
@@ -25,6 +27,8 @@ class Model:
         self.chat_template = chat_template
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
+        self.draft = None        # an attached draft Model (the bundled default has one)
+        self._width_rule = None  # cost model and acceptance calibration, kept across requests
 
     def _tok(self):
         if self.tokenizer is None:
@@ -39,6 +43,127 @@ class Model:
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         return self._tok().decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def eos_ids(self) -> tuple:
+        eos = self.generation_config.get("eos_token_id", self.config.eos_token_ids)
+        eos = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        return tuple(int(e) for e in eos)
+
+    def resolve_drafter(self, drafter):
+        """None -> the attached draft model, else prompt lookup; "lookup"; "default" (the
+        bundled draft); a checkpoint path; a loaded Model; or any object with draft/advance."""
+        from .drafters import LookupDrafter, ModelDrafter
+        from .loading import load
+
+        if drafter is None:
+            drafter = self.draft if self.draft is not None else "lookup"
+        if isinstance(drafter, str) and drafter == "lookup":
+            return LookupDrafter()
+        if isinstance(drafter, str) and drafter == "default":
+            from .loading import default_draft_path
+            drafter = default_draft_path()
+        if isinstance(drafter, (str, Path)):
+            if not Path(drafter).is_dir():
+                raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'lookup', 'default', "
+                                 "a draft checkpoint directory or a loaded Model")
+            drafter = load(drafter, weights=self.weights, kv=self.kv, max_context=self.max_context)
+        if isinstance(drafter, Model):
+            if drafter.config.vocab_size != self.config.vocab_size:
+                raise ValueError(f"draft model vocabulary ({drafter.config.vocab_size}) differs from "
+                                 f"the target's ({self.config.vocab_size})")
+            if drafter.engine.max_context < self.engine.max_context:
+                raise ValueError("the draft model's max_context is smaller than the target's")
+            drafter.engine.reset()
+            return ModelDrafter(drafter)
+        if hasattr(drafter, "draft") and hasattr(drafter, "advance"):
+            return drafter
+        raise ValueError(f"unknown drafter {drafter!r}")
+
+    def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                 seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                 drafter=None, verify="auto", width=None, rows=8, stop=None, stream=False):
+        """Generate from `prompt` (text, token ids, or chat messages when the checkpoint has a
+        chat template). Output is identical for every verify mode, width and drafter.
+
+        Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
+        generator yielding token ids as they are committed, then the result via StopIteration.
+        """
+        from .generate import DecodeConfig, Decoder, GenerationResult
+        from .policy import WidthRule
+        from .sampling import SamplingParams
+
+        ids = self._prompt_ids(prompt)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                seed=seed, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        cfg = DecodeConfig(max_tokens=max_tokens, params=params, verify=verify, width=width,
+                           rows=rows, stop_ids=self.eos_ids()).validate()
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        d = None if verify == "off" else self.resolve_drafter(drafter)
+        if self._width_rule is None or self._width_rule.max_width != (width or 16):
+            self._width_rule = WidthRule(max_width=width or 16)
+        self.engine.reset()
+        dec = Decoder(self.engine, d, cfg, rule=self._width_rule)
+
+        def run():
+            out = []
+            for tok in dec.run(ids):
+                out.append(tok)
+                if stops and self.tokenizer is not None:
+                    text = self.decode(out)
+                    cut = min((text.find(s) for s in stops if s in text), default=-1)
+                    if cut >= 0:
+                        dec.finish_reason = "stop"
+                        return self._result(out, text[:cut], dec, trim=True)
+                if stream:
+                    yield tok
+            text = self.decode(out) if self.tokenizer is not None else ""
+            return self._result(out, text, dec)
+
+        if stream:
+            return run()
+        gen = run()
+        try:
+            while True:
+                next(gen)
+        except StopIteration as fin:
+            return fin.value
+
+    def _result(self, out, text, dec, trim=False):
+        from .generate import GenerationResult
+
+        if trim:  # keep the tokens that make up the text before the stop string
+            while out and not text.startswith(self.decode(out)):
+                out = out[:-1]
+        dec.stats.tokens = len(out)
+        return GenerationResult(list(out), text, dec.stats, dec.finish_reason)
+
+    def _prompt_ids(self, prompt) -> list:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            return self.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self.encode(self.apply_chat_template(prompt))
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; pass text or token ids")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         c = self.config

@@ -1,0 +1,133 @@
+"""Drafters: propose a lattice of candidate tokens for the rows after the root.
+
+A lattice has R rows; row r holds candidates for the token r+1 places after the root, sorted by
+descending log-probability. Candidates of a row do not depend on which candidate was taken in
+the row before (the drafter follows its own top-1 chain), which is what lets the tree grow
+best-first over (row, rank) cells. Room is left for MTP heads and block-diffusion drafters:
+anything with `draft(context, root, rows) -> Lattice` and `advance(committed)` fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+@dataclass
+class Lattice:
+    tokens: list[np.ndarray] = field(default_factory=list)    # per row: candidate ids [k]
+    logprobs: list[np.ndarray] = field(default_factory=list)  # per row: log-probabilities [k]
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    def chain(self) -> list[int]:
+        """The drafter's top-1 continuation."""
+        return [int(t[0]) for t in self.tokens]
+
+
+class Drafter(Protocol):
+    vocab_size: int | None
+
+    def draft(self, context: Sequence[int], root: int, rows: int) -> Lattice:
+        """Candidates for the `rows` tokens after `root`, which follows `context`."""
+
+    def advance(self, committed: Sequence[int]) -> None:
+        """The target committed these tokens (the root first); keep any state in step."""
+
+    def reset(self) -> None: ...
+
+
+class LookupDrafter:
+    """Prompt lookup: match the last n tokens (n from `ngram_max` down to `ngram_min`) earlier
+    in the context and propose what followed. Alternatives per row come from other matches,
+    scored by how many matches agree. No weights, no state."""
+
+    vocab_size = None
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_matches: int = 8):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
+        self.ngram_max, self.ngram_min, self.max_matches = ngram_max, ngram_min, max_matches
+
+    def reset(self) -> None:
+        pass
+
+    def advance(self, committed) -> None:
+        pass
+
+    def draft(self, context, root, rows) -> Lattice:
+        seq = np.asarray(list(context) + [int(root)], np.int64)
+        for n in range(min(self.ngram_max, seq.size - 1), self.ngram_min - 1, -1):
+            key = seq[-n:]
+            # starts of earlier occurrences of key (not the final one), most recent first
+            win = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.nonzero((win == key).all(axis=1))[0][::-1][: self.max_matches]
+            if hits.size:
+                return self._lattice(seq, hits + n, rows)
+        return Lattice()
+
+    @staticmethod
+    def _lattice(seq, starts, rows) -> Lattice:
+        lat = Lattice()
+        for r in range(rows):
+            pos = starts + r
+            pos = pos[pos < seq.size]
+            if pos.size == 0:
+                break
+            ids, first, counts = np.unique(seq[pos], return_index=True, return_counts=True)
+            # most agreeing matches first; ties: the most recent match (smallest index in pos)
+            order = np.lexsort((first, -counts))
+            p = counts[order] / counts.sum()
+            lat.tokens.append(ids[order])
+            lat.logprobs.append(np.log(p * 0.9))  # a lookup is never certain
+        return lat
+
+
+class ModelDrafter:
+    """A smaller model of the same family run by the same runtime. Its committed state follows
+    the target's committed tokens; drafting never changes it (each row is a chain verify from
+    the committed state), so a rejected draft costs nothing to undo."""
+
+    def __init__(self, model, top_k: int = 4, temperature: float = 1.0):
+        self.model, self.top_k, self.temperature = model, int(top_k), float(temperature)
+        self.engine = model.engine
+        self.vocab_size = model.config.vocab_size
+        self._synced = 0  # how many context tokens the draft engine has committed
+
+    def reset(self) -> None:
+        self.engine.reset()
+        self._synced = 0
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Commit context tokens the draft has not seen (the prompt, or after a reset)."""
+        if self._synced > len(context):
+            self.reset()
+        todo = list(context[self._synced:])
+        if todo:
+            self.engine.prefill(todo)
+            self._synced += len(todo)
+
+    def advance(self, committed) -> None:
+        committed = [int(t) for t in committed]
+        if committed:
+            self.engine.prefill(committed)
+            self._synced += len(committed)
+
+    def draft(self, context, root, rows) -> Lattice:
+        self.sync(context)
+        room = self.engine.max_context - self.engine.position
+        rows = min(rows, room - 1)
+        lat, chain = Lattice(), [int(root)]
+        for _ in range(max(rows, 0)):
+            logits = self.engine.verify(chain, np.arange(len(chain)) - 1)[-1].astype(np.float64)
+            z = logits / max(self.temperature, 1e-6)
+            z -= z.max()
+            logp = z - np.log(np.exp(z).sum())
+            top = np.argsort(-logp, kind="stable")[: self.top_k]
+            lat.tokens.append(top)
+            lat.logprobs.append(logp[top])
+            chain.append(int(top[0]))
+        return lat

@@ -1,0 +1,203 @@
+"""The decoding loop: root -> draft -> grow -> verify -> walk -> commit.
+
+Each cycle verifies a tree whose node 0 is the root (the target's last pick, not yet
+committed), walks from the root following the child whose token equals the target's own pick
+at each node (greedy or keyed sample at that node's position), commits the walked path, and
+makes the pick at the leaf the next root. Every emitted token is a target pick computed from
+logits that depend only on the committed state and the path (DESIGN.md "Exactness"), with
+noise keyed by (seed, position, id): the output is the plain decoding output, whatever the
+verify mode, width or drafter.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from . import tree as trees
+from .policy import AdmissionEMA, WidthRule
+from .sampling import SamplingParams, apply_penalties, sample
+
+VERIFY_MODES = ("off", "chain", "tree", "auto")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    tokens: int = 0
+    cycles: int = 0
+    wide_cycles: int = 0
+    nodes_verified: int = 0
+    draft_rows_accepted: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    widths: list = field(default_factory=list)
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return (self.tokens - 1) / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Whole request: prefill included."""
+        t = self.prefill_s + self.decode_s
+        return self.tokens / t if t > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first (which comes with prefill) over decode time."""
+        return (self.tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "widths"}
+        d.update(tokens_per_cycle=self.tokens_per_cycle, tokens_per_s=self.tokens_per_s,
+                 decode_tokens_per_s=self.decode_tokens_per_s)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    tokens: list
+    text: str
+    stats: GenerationStats
+    finish_reason: str  # "length" | "stop" | "context"
+
+
+@dataclass
+class DecodeConfig:
+    max_tokens: int = 256
+    params: SamplingParams = field(default_factory=SamplingParams)
+    verify: str = "auto"
+    width: int | None = None     # tree: fixed width; auto: largest width considered
+    rows: int = 8                # lattice rows drafted per cycle
+    stop_ids: tuple = ()
+
+    def validate(self):
+        if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if self.width is not None and not 1 <= int(self.width) <= 64:
+            raise ValueError(f"width must be in [1, 64], got {self.width!r}")
+        if not 1 <= self.rows <= 32:
+            raise ValueError(f"rows must be in [1, 32], got {self.rows!r}")
+        self.params.validate()
+        return self
+
+
+class Decoder:
+    """One request's decoding loop over a target engine and a drafter (None for `off`)."""
+
+    def __init__(self, engine, drafter, cfg: DecodeConfig, ema: AdmissionEMA | None = None,
+                 rule: WidthRule | None = None):
+        self.engine, self.drafter, self.cfg = engine, drafter, cfg.validate()
+        self.ema = ema or AdmissionEMA(rows=cfg.rows)
+        self.rule = rule or WidthRule(max_width=cfg.width or 16)
+        self.stats = GenerationStats()
+        self.context: list[int] = []
+
+    def _pick(self, logits, position, history) -> int:
+        p = self.cfg.params
+        if not p.tree_eligible:  # penalties look at the tokens before this position
+            logits = apply_penalties(logits, history, p)
+        return int(sample(logits, position, seed=p.seed, temperature=p.temperature,
+                          top_k=p.top_k, top_p=p.top_p, min_p=p.min_p))
+
+    def _mode(self) -> str:
+        mode = self.cfg.verify
+        if self.drafter is None:
+            return "off"
+        if mode in ("tree", "auto") and not self.cfg.params.tree_eligible:
+            return "chain"  # penalties, constraints: always the chain
+        if mode == "auto":
+            return "wide" if self.ema.wide() else "chain"
+        return mode
+
+    def _build(self, root: int, mode: str, room: int):
+        rows = min(self.cfg.rows, room - 1)
+        if mode == "off" or rows <= 0:
+            return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]),
+                              np.zeros(1)), False
+        lattice = self.drafter.draft(self.context, root, rows)
+        if mode == "chain":
+            return trees.chain(root, lattice, rows), False
+        max_w = min(self.cfg.width or 16, room)
+        full = trees.grow(root, lattice, max_w)
+        if mode == "tree":
+            return full, True
+        w = self.rule.choose(full, self.engine.position)
+        return full.prefix(w), True
+
+    def run(self, prompt) -> Iterator[int]:
+        """Yield emitted tokens (target picks) in order; stops at max_tokens, a stop id or a
+        full context, and sets self.finish_reason."""
+        eng, cfg, st = self.engine, self.cfg, self.stats
+        self.context = [int(t) for t in prompt]
+        st.prompt_tokens = len(self.context)
+        self.finish_reason = "length"
+        t0 = time.perf_counter()
+        root = self._pick(eng.prefill(self.context), len(self.context), self.context)
+        st.prefill_s = time.perf_counter() - t0
+        t_start = time.perf_counter()
+        try:
+            pending = [root]  # picks to emit, in order; the last one is the next root
+            first_round = True
+            while True:
+                for tok in pending:
+                    if tok in cfg.stop_ids:
+                        self.finish_reason = "stop"
+                        return
+                    st.tokens += 1
+                    yield tok
+                    if st.tokens >= cfg.max_tokens:
+                        return
+                root = pending[-1]
+                room = eng.max_context - eng.position
+                if room < 1:
+                    self.finish_reason = "context"
+                    return
+                t_round = time.perf_counter()
+                mode = self._mode()
+                tree, wide = self._build(root, mode, room)
+                logits = eng.verify(tree.tokens, tree.parents)
+                path, picks = self._walk(tree, logits)
+                eng.commit(path)
+                committed = [int(tree.tokens[n]) for n in path]
+                self.context.extend(committed)
+                if self.drafter is not None:
+                    self.drafter.advance(committed)
+                st.cycles += 1
+                st.wide_cycles += int(wide)
+                st.nodes_verified += tree.width
+                st.draft_rows_accepted += len(path) - 1
+                st.widths.append(tree.width)
+                if mode != "off":
+                    self.ema.update(len(path) - 1)
+                    self.rule.acceptance.observe(tree, path)
+                    if not first_round:  # the first round after prefill pays warm-up costs
+                        self.rule.cost.observe(tree.width, eng.position - len(path),
+                                               time.perf_counter() - t_round)
+                first_round = False
+                pending = picks  # path tokens 1..k (committed), then the next root
+        finally:
+            st.decode_s = time.perf_counter() - t_start
+
+    def _walk(self, tree, logits):
+        """From the root, follow the child whose token is the target's pick at each node.
+        Returns the path (node indices) and the picks made along it (len(path) of them)."""
+        path, node, picks = [0], 0, []
+        base = self.engine.position
+        while True:
+            depth = len(path) - 1
+            hist = None
+            if not self.cfg.params.tree_eligible:
+                hist = self.context + [int(tree.tokens[n]) for n in path]
+            pick = self._pick(logits[node], base + depth + 1, hist)
+            picks.append(pick)
+            child = tree.child(node, pick)
+            if child < 0:
+                return path, picks
+            path.append(child)
+            node = child

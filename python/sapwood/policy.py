@@ -1,0 +1,133 @@
+"""Speculation policy: the admission EMA (chain or wide?) and the width rule (how wide?).
+
+Admission EMA (DESIGN.md): `avg` starts at R; after each cycle avg += alpha * (retained - avg)
+with `retained` the draft rows the committed path kept; the next cycle goes wide only while
+avg < threshold. High chain acceptance means the chain already captures the draft's value.
+
+Width rule: choose w in [1, max_width] maximising expected committed tokens per second,
+    E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, depth_n)
+where a(rank, depth) is the calibrated chance that the target picks a candidate of that rank
+at that depth given its parent was reached (Beta counts over every verified node whose parent
+was on the committed path), and t is a cost model of a whole round, linear in features
+[1, w, ctx, w*ctx], fitted by recursive least squares from every round (not one timing per
+width), seeded from a prior and kept per context band across requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tree import Tree
+
+
+@dataclass
+class AdmissionEMA:
+    rows: int = 8
+    alpha: float = 0.125
+    threshold: float = 6.5
+    avg: float = field(default=None)
+
+    def __post_init__(self):
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"EMA alpha must be in (0, 1], got {self.alpha}")
+        if self.avg is None:
+            self.avg = float(self.rows)
+
+    def wide(self) -> bool:
+        return self.avg < self.threshold
+
+    def update(self, retained: int) -> None:
+        self.avg += self.alpha * (retained - self.avg)
+
+
+class CostModel:
+    """Round time (seconds) as a linear function of [1, w, c, w*c] with c = ctx / 4096, by
+    recursive least squares with a little forgetting; one fit per context band."""
+
+    BANDS = (1024, 4096, 16384)
+
+    def __init__(self, prior=(4e-3, 1e-3, 1e-3, 5e-4), rel_uncertainty=2.0, forget=0.99):
+        # Prior covariance proportional to each coefficient's size: a round observed at one
+        # width then corrects intercept and slope in proportion, instead of loading the whole
+        # error onto whichever feature is numerically largest.
+        self.prior = np.asarray(prior, np.float64)
+        self.P0 = np.diag((rel_uncertainty * self.prior) ** 2)
+        self.forget = forget
+        self._fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.samples = 0
+
+    @staticmethod
+    def _phi(w, ctx):
+        c = ctx / 4096.0
+        return np.array([1.0, w, c, w * c])
+
+    def _band(self, ctx) -> int:
+        return int(np.searchsorted(self.BANDS, ctx, side="right"))
+
+    def _fit(self, ctx):
+        b = self._band(ctx)
+        if b not in self._fits:
+            self._fits[b] = (self.prior.copy(), self.P0.copy())
+        return b
+
+    def predict(self, w, ctx) -> float:
+        theta, _ = self._fits[self._fit(ctx)]
+        return max(float(self._phi(w, ctx) @ theta), 1e-6)
+
+    def observe(self, w, ctx, seconds) -> None:
+        b = self._fit(ctx)
+        theta, P = self._fits[b]
+        x = self._phi(w, ctx)
+        Px = P @ x
+        k = Px / (self.forget + x @ Px)
+        theta = theta + k * (seconds - x @ theta)
+        P = (P - np.outer(k, Px)) / self.forget
+        self._fits[b] = (theta, P)
+        self.samples += 1
+
+
+class AcceptanceModel:
+    """Calibrated chance a(rank, depth) that a candidate is accepted given its parent was."""
+
+    def __init__(self, max_rank=16, max_depth=32, prior_strength=2.0):
+        r, d = np.meshgrid(np.arange(max_rank), np.arange(max_depth), indexing="ij")
+        self.prior = 0.7 / (1.0 + r) * 0.97 ** d  # before any observation: top ranks likely
+        self.offered = np.zeros((max_rank, max_depth))
+        self.accepted = np.zeros((max_rank, max_depth))
+        self.strength = prior_strength
+
+    def chance(self, rank, depth):
+        r = np.minimum(rank, self.offered.shape[0] - 1)
+        d = np.minimum(depth, self.offered.shape[1] - 1)
+        return (self.accepted[r, d] + self.strength * self.prior[r, d]) / (self.offered[r, d] + self.strength)
+
+    def observe(self, tree: Tree, path) -> None:
+        on_path = np.zeros(tree.width, bool)
+        on_path[list(path)] = True
+        for i in range(1, tree.width):
+            if on_path[tree.parents[i]]:
+                r = min(int(tree.rank[i]), self.offered.shape[0] - 1)
+                d = min(int(tree.depth[i]), self.offered.shape[1] - 1)
+                self.offered[r, d] += 1
+                self.accepted[r, d] += on_path[i]
+
+    def expected_tokens(self, tree: Tree) -> np.ndarray:
+        """E(w) for every prefix w = 1..tree.width (the prefix property makes this a cumsum)."""
+        reach = np.ones(tree.width)
+        for i in range(1, tree.width):
+            reach[i] = reach[tree.parents[i]] * self.chance(tree.rank[i], tree.depth[i])
+        return np.cumsum(reach)
+
+
+@dataclass
+class WidthRule:
+    max_width: int = 16
+    cost: CostModel = field(default_factory=CostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+
+    def choose(self, tree: Tree, ctx: int) -> int:
+        """Best width for this round's candidate tree (built at max width) at context ctx."""
+        e = self.acceptance.expected_tokens(tree)
+        t = np.array([self.cost.predict(w, ctx) for w in range(1, tree.width + 1)])
+        return int(np.argmax(e / t)) + 1

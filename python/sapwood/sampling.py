@@ -1,0 +1,210 @@
+"""Sampling keyed by (seed, position, id): see DESIGN.md, "Sampling keyed by (seed, position, id)".
+
+    mix(z): z += 0x9E3779B97F4A7C15; z = (z ^ z>>30) * 0xBF58476D1CE4E5B9;
+            z = (z ^ z>>27) * 0x94D049BB133111EB; return z ^ z>>31      (all mod 2^64)
+    u = ((mix(mix(mix(seed) ^ position) ^ id) >> 11) + 0.5) * 2^-53      # in (0, 1)
+    token = argmax over kept ids of  logits[id]/T - log(-log(u))         # ties: lower id
+
+This is the Gumbel-max trick: the argmax is an exact draw from the filtered distribution, and since
+the noise depends only on (seed, position, id) -- not on how many draws came before -- a tree node
+draws the same token that chain or plain decoding would draw at that position.
+
+Order of filters (one code path, `_kept`, shared by `sample` and `filtered_probs` so they cannot
+drift): scale logits by 1/T; top-k keeps the k largest (ties: lower id); top-p keeps the smallest
+prefix, in descending probability of the scaled logits renormalised over the top-k set, whose sum
+reaches p; min-p drops ids whose probability is below min_p times the largest probability; then
+Gumbel-max with the keyed noise over the kept ids. T = 0 is plain argmax. Ties go to the lower id
+everywhere (stable sorts, and np.argmax returns the first maximum).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = (np.uint64(s) for s in (30, 27, 31, 11))
+
+
+def mix64(z) -> np.ndarray:
+    """SplitMix64 finaliser on uint64 arrays, all arithmetic mod 2^64."""
+    z = np.asarray(z, dtype=np.uint64)
+    # Wraparound is the point of the hash; numpy warns on overflow for 0-d/scalar uint64 ops.
+    with np.errstate(over="ignore"):
+        z = z + _GAMMA
+        z = (z ^ (z >> _S30)) * _M1
+        z = (z ^ (z >> _S27)) * _M2
+        return np.asarray(z ^ (z >> _S31), dtype=np.uint64)
+
+
+def _as_u64(x, what: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
+    if a.dtype.kind == "i" and a.size and a.min() < 0:
+        raise ValueError(f"{what} must be >= 0, got {int(a.min())}")
+    return a.astype(np.uint64)
+
+
+def keyed_uniform(seed, position, ids) -> np.ndarray:
+    """u in (0, 1) per (seed, position, id); seed, position and ids broadcast together."""
+    s, p, i = (_as_u64(x, w) for x, w in ((seed, "seed"), (position, "position"), (ids, "ids")))
+    h = mix64(mix64(mix64(s) ^ p) ^ i)
+    # The top 53 bits are exact in float64; +0.5 keeps u strictly inside (0, 1) so log(-log(u))
+    # is finite.
+    return ((h >> _S11).astype(np.float64) + 0.5) * 2.0 ** -53
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def validate(self) -> "SamplingParams":
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{f.name}={v!r}: must be a number")
+            if isinstance(v, (float, np.floating)) and not math.isfinite(v):
+                raise ValueError(f"{f.name}={v!r}: must be finite")
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        if t < 0:
+            raise ValueError(f"temperature={t!r}: must be >= 0 (0 is greedy)")
+        if not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"top_k={k!r}: must be an int >= 0 (0 disables)")
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p={p!r}: must be in (0, 1]")
+        if not 0 <= m <= 1:
+            raise ValueError(f"min_p={m!r}: must be in [0, 1]")
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**64)")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+        return self
+
+    @property
+    def tree_eligible(self) -> bool:
+        # Penalties change the logits at position t according to the tokens generated before t.
+        # Inside a speculative tree those tokens are the (uncommitted) path to each node, which
+        # the verifier's single batched logits pass does not apply per path; the chain applies
+        # them token by token after each commit, so penalised requests always use the chain.
+        return (self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)
+
+
+def _check_logits(logits) -> np.ndarray:
+    x = np.asarray(logits)
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"logits shape {x.shape}: must be [V] or [N, V] with V > 0")
+    x = x.astype(np.float64)
+    if np.isnan(x).any():
+        raise ValueError(f"logits contain NaN (first at flat index {int(np.isnan(x).argmax())})")
+    if np.isposinf(x).any():
+        raise ValueError("logits contain +inf")
+    if x.size and not np.isfinite(x).any(axis=-1).all():
+        raise ValueError("a logits row is all -inf: nothing can be sampled")
+    return x
+
+
+def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
+    """[N, V] float64 -> (x - rowmax) / T. The shift is a per-row constant, so the argmax of
+    scaled + noise is the same as for x / T, but tiny T cannot overflow to inf - inf = NaN."""
+    with np.errstate(over="ignore"):
+        return (x - x.max(axis=1, keepdims=True)) / temperature
+
+
+def _kept(s: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """[N, V] scaled logits (row max 0) -> bool [N, V] kept set; never empty (the max survives
+    every filter: top-k k >= 1, top-p's first id, min-p's ratio 1 >= min_p)."""
+    n, v = s.shape
+    order = np.argsort(-s, axis=1, kind="stable")  # descending, ties: lower id first
+    ss = np.take_along_axis(s, order, axis=1)
+    keep = np.isfinite(ss)                          # -inf logits have probability 0
+    if 0 < top_k < v:
+        keep[:, top_k:] = False
+    if top_p < 1.0:  # skipped at 1: rounding in the cumsum must not drop tail ids
+        w = np.where(keep, np.exp(ss), 0.0)
+        w /= w.sum(axis=1, keepdims=True)           # renormalised over the top-k set
+        before = np.concatenate([np.zeros((n, 1)), np.cumsum(w, axis=1)[:, :-1]], axis=1)
+        keep &= before < top_p                      # smallest prefix whose sum reaches p
+    if min_p > 0.0:
+        keep &= np.exp(ss) >= min_p                 # p_i / p_max = exp(s_i - 0)
+    out = np.empty_like(keep)
+    np.put_along_axis(out, order, keep, axis=1)
+    return out
+
+
+def filtered_probs(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The exact distribution `sample` draws from: same shape as logits ([V] or [N, V]),
+    0 outside the kept set, renormalised inside it. T = 0 is one-hot at the argmax."""
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).validate()
+    x = _check_logits(logits)
+    x2 = np.atleast_2d(x)
+    if temperature == 0:
+        p = np.zeros_like(x2)
+        p[np.arange(len(x2)), x2.argmax(axis=1)] = 1.0
+    else:
+        s = _scaled(x2, temperature)
+        p = np.where(_kept(s, top_k, top_p, min_p), np.exp(s), 0.0)
+        p /= p.sum(axis=1, keepdims=True)
+    return p.reshape(x.shape)
+
+
+def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0):
+    """logits [V] with an int position -> int; logits [N, V] with positions [N] -> int64 [N].
+    `position` is the index the sampled token will have in the sequence (prompt included)."""
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   seed=seed).validate()
+    x = _check_logits(logits)
+    pos = np.asarray(positions)
+    if x.ndim == 1 and pos.ndim != 0:
+        raise ValueError(f"positions shape {pos.shape}: logits [V] take one int position")
+    if x.ndim == 2 and pos.shape != (x.shape[0],):
+        raise ValueError(f"positions shape {pos.shape}: must be ({x.shape[0]},) for logits "
+                         f"shape {x.shape}")
+    pos = _as_u64(pos, "positions")
+    x2 = np.atleast_2d(x)
+    if temperature == 0:
+        tok = x2.argmax(axis=1)
+    else:
+        s = _scaled(x2, temperature)
+        u = keyed_uniform(seed, pos.reshape(-1, 1), np.arange(x2.shape[1])[None, :])
+        score = np.where(_kept(s, top_k, top_p, min_p), s - np.log(-np.log(u)), -np.inf)
+        tok = score.argmax(axis=1)                  # first maximum: ties to the lower id
+    tok = tok.astype(np.int64)
+    return int(tok[0]) if x.ndim == 1 else tok
+
+
+def apply_penalties(logits, history_ids, params: SamplingParams) -> np.ndarray:
+    """logits [V], history_ids [H] (the caller chooses which tokens count: HF's repetition
+    penalty usually includes the prompt, OpenAI's presence/frequency only generated tokens).
+
+    Repetition (HF): for ids in history, logit > 0 is divided by the penalty, otherwise
+    multiplied. Then presence/frequency (OpenAI): logit -= presence * [count > 0] +
+    frequency * count. Returns a new float array; the input is not modified."""
+    params.validate()
+    x = np.array(logits, dtype=np.result_type(np.asarray(logits).dtype, np.float32))
+    if x.ndim != 1:
+        raise ValueError(f"logits shape {x.shape}: apply_penalties takes one row [V]")
+    h = np.asarray(history_ids).reshape(-1)
+    if h.size == 0:
+        return x
+    if h.dtype.kind not in "iu" or h.min() < 0 or h.max() >= x.shape[0]:
+        raise ValueError(f"history_ids must be ints in [0, {x.shape[0]}), got "
+                         f"{h.min()}..{h.max()} ({h.dtype})")
+    counts = np.bincount(h, minlength=x.shape[0])
+    seen = counts > 0
+    r = params.repetition_penalty
+    if r != 1.0:
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    x -= (params.presence_penalty * seen + params.frequency_penalty * counts).astype(x.dtype)
+    return x

@@ -1,0 +1,77 @@
+"""Best-first tree growth over a draft lattice.
+
+Node 0 is the root (the target's pick, certain). A node at depth d >= 1 is a candidate of
+lattice row d-1 hanging under a node at depth d-1; its chance is its parent's chance times the
+candidate's draft probability. Nodes are popped in descending chance (ties: earlier push
+first), so a tree of w nodes is exactly the first w pops of the largest tree: every prefix
+keeps its parents, and a narrower tree's accepted path is the wide path cut at w.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from .drafters import Lattice
+
+
+@dataclass
+class Tree:
+    tokens: np.ndarray    # [w] token ids, node 0 = root
+    parents: np.ndarray   # [w], parents[0] = -1
+    depth: np.ndarray     # [w]
+    rank: np.ndarray      # [w] candidate rank within its lattice row (-1 for the root)
+    logp: np.ndarray      # [w] log path chance under the drafter
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.size)
+
+    def child(self, node: int, token: int) -> int:
+        """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
+        hit = np.nonzero((self.parents == node) & (self.tokens == token))[0]
+        return int(hit[0]) if hit.size else -1
+
+    def prefix(self, w: int) -> "Tree":
+        return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w])
+
+
+def grow(root: int, lattice: Lattice, width: int) -> Tree:
+    """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
+
+    Lazy enumeration: popping a node pushes its first child (rank 0 of the next row) and its
+    next sibling (rank+1 in the same row, same parent), so the heap stays small.
+    """
+    toks, pars, dep, rnk, lps = [int(root)], [-1], [0], [-1], [0.0]
+    heap: list = []
+    counter = 0
+
+    def push(parent: int, row: int, rank: int):
+        nonlocal counter
+        if row < lattice.rows and rank < len(lattice.tokens[row]):
+            lp = lps[parent] + float(lattice.logprobs[row][rank])
+            heapq.heappush(heap, (-lp, counter, parent, row, rank))
+            counter += 1
+
+    push(0, 0, 0)
+    while heap and len(toks) < width:
+        neg, _, parent, row, rank = heapq.heappop(heap)
+        node = len(toks)
+        toks.append(int(lattice.tokens[row][rank]))
+        pars.append(parent)
+        dep.append(row + 1)
+        rnk.append(rank)
+        lps.append(-neg)
+        push(node, row + 1, 0)
+        push(parent, row, rank + 1)
+    return Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
+                np.array(rnk, np.int64), np.array(lps))
+
+
+def chain(root: int, lattice: Lattice, rows: int) -> Tree:
+    """The root plus the drafter's top-1 chain of `rows` rows."""
+    c = lattice.chain()[:rows]
+    n = len(c) + 1
+    return Tree(np.array([root] + c, np.int64), np.arange(n) - 1, np.arange(n),
+                np.array([-1] + [0] * len(c)), np.zeros(n))
