@@ -43,17 +43,22 @@ class AdmissionEMA:
 
 class CostModel:
     """Round time (seconds) as a linear function of [1, w, c, w*c] with c = ctx / 4096, by
-    recursive least squares with a little forgetting; one fit per context band."""
+    recursive least squares (a Kalman filter on the coefficients) with slight forgetting; one
+    fit per context band. Coefficients are kept in units of the prior intercept, where the
+    prior uncertainty (rel_uncertainty per coefficient) and the per-round timing noise
+    (noise, relative) are both meaningful numbers."""
 
     BANDS = (1024, 4096, 16384)
 
-    def __init__(self, prior=(4e-3, 1e-3, 1e-3, 5e-4), rel_uncertainty=2.0, forget=0.99):
+    def __init__(self, prior=(4e-3, 1e-3, 1e-3, 5e-4), rel_uncertainty=2.0, noise=0.05,
+                 forget=0.995):
+        prior = np.asarray(prior, np.float64)
+        self.unit = float(prior[0])
+        self.theta0 = prior / self.unit
         # Prior covariance proportional to each coefficient's size: a round observed at one
-        # width then corrects intercept and slope in proportion, instead of loading the whole
-        # error onto whichever feature is numerically largest.
-        self.prior = np.asarray(prior, np.float64)
-        self.P0 = np.diag((rel_uncertainty * self.prior) ** 2)
-        self.forget = forget
+        # width corrects intercept and slope in proportion.
+        self.P0 = np.diag((rel_uncertainty * self.theta0) ** 2)
+        self.noise, self.forget = noise ** 2, forget
         self._fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.samples = 0
 
@@ -63,25 +68,22 @@ class CostModel:
         return np.array([1.0, w, c, w * c])
 
     def _band(self, ctx) -> int:
-        return int(np.searchsorted(self.BANDS, ctx, side="right"))
-
-    def _fit(self, ctx):
-        b = self._band(ctx)
+        b = int(np.searchsorted(self.BANDS, ctx, side="right"))
         if b not in self._fits:
-            self._fits[b] = (self.prior.copy(), self.P0.copy())
+            self._fits[b] = (self.theta0.copy(), self.P0.copy())
         return b
 
     def predict(self, w, ctx) -> float:
-        theta, _ = self._fits[self._fit(ctx)]
-        return max(float(self._phi(w, ctx) @ theta), 1e-6)
+        theta, _ = self._fits[self._band(ctx)]
+        return max(float(self._phi(w, ctx) @ theta) * self.unit, 1e-7)
 
     def observe(self, w, ctx, seconds) -> None:
-        b = self._fit(ctx)
+        b = self._band(ctx)
         theta, P = self._fits[b]
         x = self._phi(w, ctx)
         Px = P @ x
-        k = Px / (self.forget + x @ Px)
-        theta = theta + k * (seconds - x @ theta)
+        k = Px / (self.noise + x @ Px)
+        theta = theta + k * (seconds / self.unit - x @ theta)
         P = (P - np.outer(k, Px)) / self.forget
         self._fits[b] = (theta, P)
         self.samples += 1

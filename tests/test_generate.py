@@ -1,0 +1,253 @@
+"""Speculative generation: identical tokens in every verify mode, width and drafter, greedy and
+sampled; the tree's prefix property; the admission EMA; the width rule; bad input."""
+import numpy as np
+import pytest
+
+import sapwood
+from sapwood.drafters import Lattice, LookupDrafter
+from sapwood.policy import AcceptanceModel, AdmissionEMA, CostModel, WidthRule
+from sapwood.testing import make_tiny_checkpoint
+from sapwood.tree import chain, grow
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    make_tiny_checkpoint(root / "target", seed=1, layers=4)
+    make_tiny_checkpoint(root / "draft", seed=2, layers=2, hidden=32)
+    make_tiny_checkpoint(root / "other", seed=2, layers=2, hidden=32, vocab=300)
+    target = sapwood.load(root / "target", max_context=512)
+    target.generation_config["eos_token_id"] = []  # random models hit eos early; tests set it
+    return target, root
+
+
+def prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 240, n)]
+
+
+MODES = [("off", None), ("chain", None), ("auto", None)] + [("tree", w) for w in range(1, 17)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("drafter", ["self", "draft", "lookup"])
+@pytest.mark.parametrize("n_prompt", [1, 9, 40])
+def test_identical_tokens_across_modes(models, drafter, temperature, n_prompt):
+    """The target drafting for itself makes long accepted paths (max_tokens then cuts mid-tree);
+    a different small model and prompt lookup make short ones."""
+    target, root = models
+    d = {"self": str(root / "target"), "draft": str(root / "draft"), "lookup": "lookup"}[drafter]
+    p = prompt(n_prompt, seed=n_prompt)
+    runs = {}
+    for verify, width in MODES:
+        r = target.generate(p, max_tokens=37, temperature=temperature, top_k=50, seed=5,
+                            drafter=d, verify=verify, width=width)
+        runs[(verify, width)] = r
+    base = runs[("off", None)].tokens
+    assert len(base) == 37
+    for key, r in runs.items():
+        assert r.tokens == base, f"{key} differs from plain decoding"
+        assert r.finish_reason == runs[("off", None)].finish_reason
+    if drafter == "self" and temperature == 0.0:
+        assert runs[("chain", None)].stats.tokens_per_cycle > 4  # paths were long
+
+
+def test_identical_tokens_with_penalties_and_top_p(models):
+    target, root = models
+    p = prompt(12, seed=3)
+    kw = dict(max_tokens=30, temperature=1.1, top_p=0.9, min_p=0.02, seed=9,
+              repetition_penalty=1.3, presence_penalty=0.2, drafter=str(root / "target"))
+    outs = [target.generate(p, verify=v, width=w, **kw) for v, w in [("off", None), ("chain", None), ("tree", 8), ("auto", None)]]
+    assert all(o.tokens == outs[0].tokens for o in outs)
+    assert outs[2].stats.wide_cycles == 0  # penalties: never wide
+
+
+def test_stop_ids_and_max_tokens(models):
+    target, root = models
+    p = prompt(20, seed=4)
+    full = target.generate(p, max_tokens=40, verify="off").tokens
+    stop_tok = full[17]
+    first = full.index(stop_tok)
+    target.generation_config["eos_token_id"] = stop_tok
+    try:
+        for v, w in [("off", None), ("chain", None), ("tree", 16)]:
+            r = target.generate(p, max_tokens=40, verify=v, width=w, drafter=str(root / "target"))
+            assert r.tokens == full[:first] and r.finish_reason == "stop"
+    finally:
+        target.generation_config["eos_token_id"] = []
+    for n in [1, 2, 5, 13]:
+        r = target.generate(p, max_tokens=n, verify="chain", drafter=str(root / "target"))
+        assert r.tokens == full[:n] and r.finish_reason == "length"
+
+
+def test_stream_yields_the_same_tokens(models):
+    target, root = models
+    p = prompt(10, seed=6)
+    want = target.generate(p, max_tokens=20, verify="tree", width=6, drafter="lookup").tokens
+    gen = target.generate(p, max_tokens=20, verify="tree", width=6, drafter="lookup", stream=True)
+    got = list(gen)
+    assert got == want
+
+
+def test_context_limit_ends_generation(models):
+    target, root = models
+    small = sapwood.load(root / "target", max_context=64)
+    small.generation_config["eos_token_id"] = []
+    r = small.generate(prompt(50), max_tokens=100, verify="chain", drafter=str(root / "target"))
+    full = target.generate(prompt(50), max_tokens=100, verify="off")
+    assert r.finish_reason == "context" and r.tokens == full.tokens[: len(r.tokens)]
+    assert 50 + len(r.tokens) <= 65
+
+
+# ---- trees ---------------------------------------------------------------------------------
+
+def lattice(rows=6, k=4, seed=0):
+    rng = np.random.default_rng(seed)
+    lat = Lattice()
+    for _ in range(rows):
+        p = np.sort(rng.dirichlet(np.ones(k)))[::-1]
+        lat.tokens.append(rng.choice(1000, k, replace=False))
+        lat.logprobs.append(np.log(p))
+    return lat
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_prefix_property_and_best_first_order(seed):
+    lat = lattice(seed=seed)
+    big = grow(7, lat, 16)
+    assert big.width == 16 and big.parents[0] == -1
+    for w in range(1, 17):
+        small = grow(7, lat, w)
+        for f in ("tokens", "parents", "depth", "rank"):
+            assert (getattr(small, f) == getattr(big, f)[:w]).all()
+    assert (np.diff(big.logp) <= 1e-12).all()               # pops in non-increasing chance
+    assert all(big.parents[i] < i for i in range(1, 16))   # parents before children
+    # every node's chance is its parent's times its candidate's probability
+    for i in range(1, 16):
+        row, rank = big.depth[i] - 1, big.rank[i]
+        assert np.isclose(big.logp[i], big.logp[big.parents[i]] + lat.logprobs[row][rank])
+
+
+def test_best_first_is_optimal_among_trees():
+    """The w best nodes: no unpicked node (with its parent picked) beats the worst picked one."""
+    lat = lattice(seed=11)
+    t = grow(0, lat, 10)
+    worst = t.logp[1:].min()
+    for i in range(10):
+        row = t.depth[i]
+        if row < lat.rows:
+            picked = {t.rank[j] for j in range(10) if t.parents[j] == i}
+            for r in range(len(lat.tokens[row])):
+                if r not in picked:
+                    assert t.logp[i] + lat.logprobs[row][r] <= worst + 1e-12
+
+
+def test_chain_is_top1():
+    lat = lattice(seed=2)
+    c = chain(5, lat, 4)
+    assert list(c.tokens) == [5] + [int(x[0]) for x in lat.tokens[:4]]
+    assert list(c.parents) == [-1, 0, 1, 2, 3]
+
+
+def test_lookup_drafter_proposes_continuations():
+    d = LookupDrafter()
+    ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 8, 1, 2]
+    lat = d.draft(ctx, 3, 4)
+    assert lat.chain()[:2] == [4, 6]     # the most recent match of [.., 2, 3] continues 4, 6
+    assert set(lat.tokens[1][:2]) == {5, 6}  # the other match continues 4, 5
+    assert d.draft([1, 2, 3], 7, 4).rows == 0
+
+
+# ---- policy --------------------------------------------------------------------------------
+
+def test_admission_ema_scripted():
+    ema = AdmissionEMA(rows=8)
+    assert ema.avg == 8 and not ema.wide()
+    for r in [8, 8, 8]:
+        ema.update(r)
+    assert ema.avg == 8 and not ema.wide()
+    ema.update(0)
+    assert ema.avg == pytest.approx(7.0) and not ema.wide()
+    ema.update(0)
+    assert ema.avg == pytest.approx(6.125) and ema.wide()
+    for _ in range(3):
+        ema.update(8)
+    assert ema.avg == pytest.approx(8 - 1.875 * 0.875 ** 3) and not ema.wide()
+    with pytest.raises(ValueError):
+        AdmissionEMA(alpha=0)
+
+
+def simulated_rule(cost_fn, chances, ctx):
+    """A width rule trained on a simulated cost model (rounds at many widths) and acceptance
+    chances by rank."""
+    rule = WidthRule(max_width=16)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        w = int(rng.integers(1, 17))
+        rule.cost.observe(w, ctx, cost_fn(w, ctx) * (1 + 0.01 * rng.standard_normal()))
+    acc = AcceptanceModel(prior_strength=1e-9)
+    acc.offered[:, :] = 1000
+    for r, c in enumerate(chances):
+        acc.accepted[r, :] = 1000 * c
+    rule.acceptance = acc
+    return rule
+
+
+@pytest.mark.parametrize("ctx, cost_fn", [
+    (64, lambda w, c: 0.010 + 0.0001 * w),                        # flat: short context
+    (30000, lambda w, c: 0.010 + 0.003 * w * (1 + c / 8192)),    # grows with width: long context
+])
+def test_width_rule_picks_best_width(ctx, cost_fn):
+    chances = [0.6, 0.2, 0.1, 0.05] + [0.0] * 12
+    rule = simulated_rule(cost_fn, chances, ctx)
+    lat = lattice(rows=8, k=4, seed=3)
+    tree = grow(0, lat, 16)
+    e = rule.acceptance.expected_tokens(tree)
+    true = e / np.array([cost_fn(w, ctx) for w in range(1, 17)])
+    best = int(np.argmax(true)) + 1
+    chosen = rule.choose(tree, ctx)
+    assert true[chosen - 1] >= 0.98 * true[best - 1], (chosen, best)
+    if ctx == 64:
+        assert chosen >= 8
+    else:
+        assert chosen < 8
+
+
+def test_cost_model_prior_then_fit():
+    cm = CostModel()
+    before = cm.predict(4, 20000)
+    assert before > 0
+    for _ in range(50):
+        for w in (1, 8, 16):
+            cm.observe(w, 100, 0.02 + 0.001 * w)
+    assert cm.predict(12, 100) == pytest.approx(0.032, rel=0.05)
+    assert cm.predict(4, 20000) == pytest.approx(before, rel=1e-9)  # another band: still the prior
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "empty prompt"),
+    (dict(prompt=[]), "empty prompt"),
+    (dict(prompt=[1, 999]), "token id 999"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(drafter="nonsense"), "unknown drafter"),
+    (dict(verify="sideways"), "verify"),
+    (dict(width=0), "width"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_input(models, kwargs, match):
+    target, _ = models
+    kwargs.setdefault("prompt", [1, 2, 3])
+    with pytest.raises(ValueError, match=match):
+        target.generate(**kwargs)
+    assert len(target.generate([1, 2, 3], max_tokens=3).tokens) == 3  # still usable
+
+
+def test_draft_with_other_vocabulary_rejected(models):
+    target, root = models
+    with pytest.raises(ValueError, match="vocabulary"):
+        target.generate([1, 2, 3], drafter=str(root / "other"))
