@@ -1,0 +1,90 @@
+"""Command line: `sapwood generate PROMPT` (and `sapwood bench ...`, see bench/)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="checkpoint directory, or 'default' for the bundled pair (default)")
+    p.add_argument("--weights", default="q8", choices=["f32", "bf16", "q8", "q4"])
+    p.add_argument("--kv", default="int8", choices=["int8", "f32"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=4096)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    _add_model_args(p)
+    p.add_argument("--drafter", default=None,
+                   help="'lookup', 'default', a draft checkpoint directory; default: the "
+                        "model's attached draft, else lookup")
+    p.add_argument("--verify", default="auto", choices=["off", "chain", "tree", "auto"])
+    p.add_argument("--width", type=int, default=None, help="tree width (tree) or largest width (auto)")
+    p.add_argument("--rows", type=int, default=8, help="draft rows per cycle")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def cmd_generate(a) -> int:
+    import sapwood
+
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
+                         max_context=a.max_context)
+    kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+              min_p=a.min_p, seed=a.seed, drafter=a.drafter, verify=a.verify, width=a.width,
+              rows=a.rows, stop=a.stop)
+    if a.json:
+        r = model.generate(prompt, **kw)
+        print(json.dumps({"text": r.text, "tokens": r.tokens, "finish_reason": r.finish_reason,
+                          "stats": r.stats.as_dict()}))
+        return 0
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    ids, shown = [], ""
+    gen = model.generate(prompt, stream=True, **kw)
+    try:
+        while True:
+            ids.append(next(gen))
+            text = model.decode(ids)
+            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 sequence
+                out.write(text[len(shown):])
+                out.flush()
+                shown = text
+    except StopIteration as fin:
+        r = fin.value
+    out.write(r.text[len(shown):] if r.text.startswith(shown) else "")
+    s = r.stats
+    print(f"\n\n[{r.finish_reason}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s "
+          f"(decode {s.decode_tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms), "
+          f"{s.tokens_per_cycle:.2f} tokens/cycle, {s.cycles} cycles ({s.wide_cycles} wide)",
+          file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="sapwood", description="speculative decoding for hybrid LLMs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate a continuation of a prompt")
+    _add_generate_args(g)
+    g.set_defaults(fn=cmd_generate)
+    a = ap.parse_args(argv)
+    try:
+        return a.fn(a)
+    except (ValueError, MemoryError) as e:
+        print(f"sapwood: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
