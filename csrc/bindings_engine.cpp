@@ -112,6 +112,11 @@ void bind_engine(py::module_& m) {
              e.commit(p);
            }, py::arg("path"))
       .def("reset", &Engine::reset)
+      .def("fill_synthetic", [](Engine& e, int n, uint64_t seed) {
+             py::gil_scoped_release release;
+             e.fill_synthetic(n, seed);
+           }, py::arg("n"), py::arg("seed") = 0,
+           "Benchmarks only: append n positions of random K/V without computing them.")
       .def("snapshot", &Engine::snapshot)
       .def("restore", &Engine::restore, py::arg("snapshot"))
       .def_property_readonly("position", &Engine::position)

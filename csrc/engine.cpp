@@ -122,6 +122,27 @@ void Engine::reset() {
   tape_parents_.clear();
 }
 
+void Engine::fill_synthetic(int n, uint64_t seed) {
+  SW_CHECK(n >= 0 && position() + n <= max_context_, "fill_synthetic: ", n, " positions past ",
+           position(), " exceed max_context ", max_context_);
+  tape_parents_.clear();
+  const int P = position(), Hkv = dims_.n_kv_heads, D = dims_.head_dim;
+  seq_->reserve(P + n);
+  std::vector<float> k(size_t(Hkv) * D), v(k.size());
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto next = [&] {  // xorshift: uniform in [-1, 1)
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    return float(int64_t(z >> 11) - (int64_t(1) << 52)) / float(int64_t(1) << 52);
+  };
+  for (int p = P; p < P + n; ++p)
+    for (size_t a = 0; a < tape_.size(); ++a) {
+      for (auto& x : k) x = next();
+      for (auto& x : v) x = next();
+      seq_->write(p, int(a), k.data(), v.data());
+    }
+  seq_->set_length(P + n);
+}
+
 std::shared_ptr<Snapshot> Engine::snapshot() const {
   auto s = std::make_shared<Snapshot>();
   s->length = position();

@@ -25,6 +25,9 @@ class Engine {
   std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
   void commit(const std::vector<int>& path);
   void reset();
+  // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
+  // state left as it is) without paying for their prefill. Not a model computation.
+  void fill_synthetic(int n, uint64_t seed);
   std::shared_ptr<Snapshot> snapshot() const;
   void restore(const Snapshot& s);
 
