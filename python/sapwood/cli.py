@@ -72,12 +72,51 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def _bench(name, a) -> int:
+    import importlib
+
+    if name == "peers" and a.weights == "q8":
+        a.weights = ["q8", "f32"]
+    elif name == "peers":
+        a.weights = [a.weights]
+    return importlib.import_module(f"sapwood.benchmarks.{name}").main(a)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="sapwood", description="speculative decoding for hybrid LLMs")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
     _add_generate_args(g)
     g.set_defaults(fn=cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks: ab, width, peers").add_subparsers(dest="bench", required=True)
+    ab = b.add_parser("ab", help="two arms side by side (ABBA/BAAB) on the frozen cohort")
+    _add_model_args(ab)
+    ab.add_argument("--a", default="verify=chain", help="arm A: key=value,... generate() options")
+    ab.add_argument("--b", default="verify=auto", help="arm B")
+    ab.add_argument("--cohort", default=None, help="prompt cohort JSON (default: the frozen one)")
+    ab.add_argument("--prompts", type=int, default=0, help="use only the first N prompts")
+    ab.add_argument("--max-tokens", type=int, default=64)
+    ab.add_argument("--blocks", type=int, default=2)
+    ab.add_argument("--warmup", type=int, default=1)
+    ab.add_argument("--out", default="ab.json")
+    ab.set_defaults(fn=lambda a: _bench("ab", a))
+    wd = b.add_parser("width", help="tokens/s per tree width per context depth, and the width rule")
+    _add_model_args(wd)
+    wd.add_argument("--depths", nargs="+", type=int, default=[0, 2048, 8192, 32768])
+    wd.add_argument("--max-width", type=int, default=16)
+    wd.add_argument("--max-tokens", type=int, default=48)
+    wd.add_argument("--drafter", default=None)
+    wd.add_argument("--temperature", type=float, default=0.0)
+    wd.add_argument("--out", default="width.json")
+    wd.set_defaults(fn=lambda a: _bench("width", a))
+    pe = b.add_parser("peers", help="plain decode and prefill against transformers and llama.cpp")
+    _add_model_args(pe)
+    pe.add_argument("--gguf", default=None, help="GGUF conversion of the same checkpoint")
+    pe.add_argument("--prompt-tokens", type=int, default=256)
+    pe.add_argument("--new-tokens", type=int, default=64)
+    pe.add_argument("--reps", type=int, default=3)
+    pe.add_argument("--out", default="peers.json")
+    pe.set_defaults(fn=lambda a: _bench("peers", a))
     a = ap.parse_args(argv)
     try:
         return a.fn(a)

@@ -91,12 +91,13 @@ class Decoder:
     """One request's decoding loop over a target engine and a drafter (None for `off`)."""
 
     def __init__(self, engine, drafter, cfg: DecodeConfig, ema: AdmissionEMA | None = None,
-                 rule: WidthRule | None = None):
+                 rule: WidthRule | None = None, on_round=None):
         self.engine, self.drafter, self.cfg = engine, drafter, cfg.validate()
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule(max_width=cfg.width or 16)
         self.stats = GenerationStats()
         self.context: list[int] = []
+        self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
 
     def _pick(self, logits, position, history) -> int:
         p = self.cfg.params
@@ -130,15 +131,17 @@ class Decoder:
         w = self.rule.choose(full, self.engine.position)
         return full.prefix(w), True
 
-    def run(self, prompt) -> Iterator[int]:
+    def run(self, prompt, prefill=None) -> Iterator[int]:
         """Yield emitted tokens (target picks) in order; stops at max_tokens, a stop id or a
-        full context, and sets self.finish_reason."""
+        full context, and sets self.finish_reason. `prefill(ids) -> last logits` replaces
+        engine.prefill (e.g. a prompt cache)."""
         eng, cfg, st = self.engine, self.cfg, self.stats
         self.context = [int(t) for t in prompt]
         st.prompt_tokens = len(self.context)
         self.finish_reason = "length"
         t0 = time.perf_counter()
-        root = self._pick(eng.prefill(self.context), len(self.context), self.context)
+        logits = (prefill or eng.prefill)(self.context)
+        root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
         try:
@@ -180,6 +183,8 @@ class Decoder:
                         self.rule.cost.observe(tree.width, eng.position - len(path),
                                                time.perf_counter() - t_round)
                 first_round = False
+                if self.on_round is not None:
+                    self.on_round(tree, path, time.perf_counter() - t_round)
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
             st.decode_s = time.perf_counter() - t_start

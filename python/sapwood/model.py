@@ -66,7 +66,12 @@ class Model:
             if not Path(drafter).is_dir():
                 raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'lookup', 'default', "
                                  "a draft checkpoint directory or a loaded Model")
-            drafter = load(drafter, weights=self.weights, kv=self.kv, max_context=self.max_context)
+            key = str(Path(drafter).resolve())
+            cache = self.__dict__.setdefault("_draft_models", {})
+            if key not in cache:  # load a draft checkpoint once per target model
+                cache[key] = load(drafter, weights=self.weights, kv=self.kv,
+                                  max_context=self.max_context)
+            drafter = cache[key]
         if isinstance(drafter, Model):
             if drafter.config.vocab_size != self.config.vocab_size:
                 raise ValueError(f"draft model vocabulary ({drafter.config.vocab_size}) differs from "
@@ -81,12 +86,15 @@ class Model:
 
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                 drafter=None, verify="auto", width=None, rows=8, stop=None, stream=False):
+                 drafter=None, verify="auto", width=None, rows=8, stop=None, stream=False,
+                 cache_prompt=False, on_round=None):
         """Generate from `prompt` (text, token ids, or chat messages when the checkpoint has a
         chat template). Output is identical for every verify mode, width and drafter.
 
         Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
         generator yielding token ids as they are committed, then the result via StopIteration.
+        cache_prompt=True restores the committed state of an identical previous prompt
+        instead of prefilling it again (benchmarks of long contexts use it).
         """
         from .generate import DecodeConfig, Decoder, GenerationResult
         from .policy import WidthRule
@@ -106,11 +114,11 @@ class Model:
         if self._width_rule is None or self._width_rule.max_width != (width or 16):
             self._width_rule = WidthRule(max_width=width or 16)
         self.engine.reset()
-        dec = Decoder(self.engine, d, cfg, rule=self._width_rule)
+        dec = Decoder(self.engine, d, cfg, rule=self._width_rule, on_round=on_round)
 
         def run():
             out = []
-            for tok in dec.run(ids):
+            for tok in dec.run(ids, self._cached_prefill if cache_prompt else None):
                 out.append(tok)
                 if stops and self.tokenizer is not None:
                     text = self.decode(out)
@@ -131,6 +139,15 @@ class Model:
                 next(gen)
         except StopIteration as fin:
             return fin.value
+
+    def _cached_prefill(self, ids):
+        cache = getattr(self, "_prompt_cache", None)
+        if cache is not None and cache[0] == ids:
+            self.engine.restore(cache[1])
+            return cache[2]
+        logits = self.engine.prefill(ids)
+        self._prompt_cache = (list(ids), self.engine.snapshot(), logits)
+        return logits
 
     def _result(self, out, text, dec, trim=False):
         from .generate import GenerationResult

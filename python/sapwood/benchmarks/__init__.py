@@ -1,0 +1,1 @@
+"""Benchmarks behind `sapwood bench ...` (the A/B protocol, the width study, peers)."""

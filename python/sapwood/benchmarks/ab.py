@@ -1,0 +1,108 @@
+"""The A/B protocol of DESIGN.md: two arms in one process on one engine, ABBA/BAAB blocks after
+excluded warm-up samples, identical output tokens checked on every sample, per-block verdicts.
+
+Per block each arm has two samples; spread = |t1 - t2| / mean(t1, t2) of an arm's pair. A block
+with spread > 5% in either arm is inconclusive; otherwise B's change in tokens/s against A
+passes (non-regression, not a gain) when the regression is at most max(2%, 2 * spread).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .common import dump_json, geomean, load_cohort, machine, model_identity, parse_arm, source_revision
+
+INCONCLUSIVE_SPREAD = 0.05
+
+
+def _sample(model, arm: dict, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    r = model.generate(prompt, max_tokens=max_tokens, **arm)
+    wall = time.perf_counter() - t0
+    s = r.stats
+    return {"tokens": r.tokens, "wall_s": wall, "tok_s": s.tokens / wall,
+            "decode_tok_s": s.decode_tokens_per_s, "ttft_s": s.prefill_s,
+            "tokens_per_cycle": s.tokens_per_cycle, "cycles": s.cycles, "wide_cycles": s.wide_cycles}
+
+
+def block_verdict(a_pair, b_pair) -> dict:
+    """a_pair, b_pair: tokens/s of each arm's two samples in one block."""
+    spread = max(abs(x[0] - x[1]) / np.mean(x) for x in (a_pair, b_pair))
+    change = np.mean(b_pair) / np.mean(a_pair) - 1.0
+    if spread > INCONCLUSIVE_SPREAD:
+        verdict = "inconclusive"
+    else:
+        verdict = "pass" if change >= -max(0.02, 2 * spread) else "regression"
+    return {"spread": float(spread), "change": float(change), "verdict": verdict}
+
+
+def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=64, blocks=2,
+           warmup=1, log=print) -> dict:
+    arms = {"A": arm_a, "B": arm_b}
+    per_prompt = []
+    for p in prompts:
+        ref = None
+        for _ in range(warmup):  # excluded from timing; also fixes the reference tokens
+            for name in "AB":
+                s = _sample(model, arms[name], p["text"], max_tokens)
+                ref = ref or s["tokens"]
+                if s["tokens"] != ref:
+                    raise AssertionError(f"{p['id']}: arm {name} output differs in warm-up")
+        rec = {"id": p["id"], "kind": p["kind"], "blocks": []}
+        for b in range(blocks):
+            order = "ABBA" if b % 2 == 0 else "BAAB"
+            samples = {"A": [], "B": []}
+            for name in order:
+                s = _sample(model, arms[name], p["text"], max_tokens)
+                if s["tokens"] != ref:
+                    raise AssertionError(f"{p['id']}: arm {name} output differs from the reference")
+                samples[name].append(s)
+            blk = {"order": order, "samples": samples}
+            for metric in ("tok_s", "decode_tok_s"):
+                blk[metric] = block_verdict([x[metric] for x in samples["A"]],
+                                            [x[metric] for x in samples["B"]])
+            ttft = [np.mean([x["ttft_s"] for x in samples[n]]) for n in "AB"]
+            blk["ttft_change"] = float(ttft[1] / ttft[0] - 1.0)
+            rec["blocks"].append(blk)
+        for metric in ("tok_s", "decode_tok_s"):
+            changes = [blk[metric]["change"] for blk in rec["blocks"]]
+            rec[metric + "_change_median"] = float(np.median(changes))
+            rec[metric + "_change_range"] = [float(min(changes)), float(max(changes))]
+        rec["ttft_change_median"] = float(np.median([b["ttft_change"] for b in rec["blocks"]]))
+        rec["verdicts"] = [b["tok_s"]["verdict"] for b in rec["blocks"]]
+        rec["tokens_per_cycle"] = {n: float(np.mean([x["tokens_per_cycle"] for b in rec["blocks"] for x in b["samples"][n]])) for n in "AB"}
+        per_prompt.append(rec)
+        log(f"{p['id']:>18}  tok/s {100 * rec['tok_s_change_median']:+6.1f}%  "
+            f"decode {100 * rec['decode_tok_s_change_median']:+6.1f}%  "
+            f"ttft {100 * rec['ttft_change_median']:+6.1f}%  "
+            f"tok/cycle A {rec['tokens_per_cycle']['A']:.2f} B {rec['tokens_per_cycle']['B']:.2f}  "
+            f"{','.join(rec['verdicts'])}")
+    summary = {
+        "geomean_tok_s_ratio": geomean([1 + r["tok_s_change_median"] for r in per_prompt]),
+        "geomean_decode_tok_s_ratio": geomean([1 + r["decode_tok_s_change_median"] for r in per_prompt]),
+        "geomean_ttft_ratio": geomean([1 + r["ttft_change_median"] for r in per_prompt]),
+        "prompts_regressing": [r["id"] for r in per_prompt if "regression" in r["verdicts"]],
+        "inconclusive_blocks": sum(v == "inconclusive" for r in per_prompt for v in r["verdicts"]),
+    }
+    return {"arms": arms, "max_tokens": max_tokens, "blocks": blocks, "warmup": warmup,
+            "per_prompt": per_prompt, "summary": summary}
+
+
+def main(a) -> int:
+    import sapwood
+
+    model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
+                         max_context=a.max_context)
+    prompts = load_cohort(a.cohort)[: a.prompts] if a.prompts else load_cohort(a.cohort)
+    res = run_ab(model, parse_arm(a.a), parse_arm(a.b), prompts, max_tokens=a.max_tokens,
+                 blocks=a.blocks, warmup=a.warmup)
+    res.update(revision=source_revision(), model=model_identity(model), machine=machine(),
+               protocol="ABBA/BAAB blocks; spread>5% inconclusive; pass if regression <= max(2%, 2*spread)")
+    s = res["summary"]
+    print(f"\nB vs A geometric mean: tok/s x{s['geomean_tok_s_ratio']:.3f}, decode x"
+          f"{s['geomean_decode_tok_s_ratio']:.3f}, ttft x{s['geomean_ttft_ratio']:.3f}; "
+          f"regressing: {s['prompts_regressing'] or 'none'}; inconclusive blocks: {s['inconclusive_blocks']}")
+    sha = dump_json(res, a.out)
+    print(f"raw JSON {a.out} sha256 {sha}")
+    return 0

@@ -1,0 +1,134 @@
+"""The width study: at several context depths, verify at the widest tree, log what every
+narrower prefix w = 1..W would have accepted (exact by the prefix property: the accepted path
+at width w is the wide path cut at the first node >= w), time forced-width runs, and compare
+the width rule against the best fixed width; the first request of a fresh process (no cost
+or acceptance history) is reported separately.
+"""
+from __future__ import annotations
+
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import dump_json, machine, model_identity, source_revision
+
+
+def context_text(n_chars: int) -> str:
+    """Deterministic long context: standard-library Python source in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, total = [], 0
+    for p in sorted(root.glob("*.py")):
+        try:
+            t = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out.append(t)
+        total += len(t)
+        if total >= n_chars:
+            break
+    return "".join(out)[:n_chars]
+
+
+def accepted_by_width(tree, path, max_width) -> np.ndarray:
+    """acc[w-1] = draft rows the path keeps when only nodes < w were verified."""
+    acc = np.zeros(max_width, np.int64)
+    for w in range(1, max_width + 1):
+        for n in path[1:]:  # node indices grow along a path (parents come first)
+            if n >= w:
+                break
+            acc[w - 1] += 1
+    return acc
+
+
+def study_depth(model, ids, max_width, max_tokens, drafter, temperature, log):
+    gen = dict(max_tokens=max_tokens, temperature=temperature, drafter=drafter, cache_prompt=True)
+    res = {"depth": len(ids)}
+    # 1. Rounds at the widest tree: per-round acceptance of every prefix width.
+    accs = []
+    model.generate(ids, verify="tree", width=max_width, **gen,
+                   on_round=lambda t, p, s: accs.append(accepted_by_width(t, p, max_width)))
+    acc = np.mean(accs, axis=0) if accs else np.zeros(max_width)
+    res["derived_tokens_per_round"] = (1 + acc).tolist()
+    # 2. Forced widths, timed: tokens/s of each fixed width (decode only: prompt cached).
+    tps, round_s = [], []
+    for w in range(1, max_width + 1):
+        times = []
+        r = model.generate(ids, verify="tree", width=w, **gen,
+                           on_round=lambda t, p, s: times.append(s))
+        tps.append(r.stats.decode_tokens_per_s)
+        round_s.append(float(np.median(times)) if times else float("nan"))
+    res["fixed_tokens_per_s"] = tps
+    res["round_ms"] = [1e3 * x for x in round_s]
+    res["derived_tokens_per_s"] = [(1 + a) / s for a, s in zip(acc, round_s)]
+    best = int(np.argmax(tps))
+    res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, tps[best]
+    # 3. The width rule (auto), after the forced runs taught it costs and acceptance.
+    rule_widths = []
+    r = model.generate(ids, verify="auto", width=max_width, **gen,
+                       on_round=lambda t, p, s: rule_widths.append(t.width))
+    res["rule_tokens_per_s"] = r.stats.decode_tokens_per_s
+    res["rule_ratio"] = res["rule_tokens_per_s"] / res["best_fixed_tokens_per_s"]
+    res["rule_widths"] = rule_widths
+    log(f"depth {len(ids):>6}: best fixed w={best + 1} {tps[best]:.1f} tok/s; rule "
+        f"{res['rule_tokens_per_s']:.1f} tok/s (x{res['rule_ratio']:.3f}); mean rule width "
+        f"{np.mean(rule_widths) if rule_widths else 0:.1f}")
+    return res
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'sapwood[bench]'); no plot written"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        w = np.arange(1, len(r["fixed_tokens_per_s"]) + 1)
+        line, = ax.plot(w, r["fixed_tokens_per_s"], marker=".", label=f"depth {r['depth']}")
+        wr = np.mean(r["rule_widths"]) if r["rule_widths"] else 1
+        ax.plot([wr], [r["rule_tokens_per_s"]], marker="*", markersize=14, color=line.get_color())
+    ax.set_xlabel("tree width (verified nodes)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("fixed widths (lines) and the width rule (stars, at its mean width)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return str(path)
+
+
+def main(a) -> int:
+    import sapwood
+
+    model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
+                         max_context=max(a.depths) + a.max_tokens + 64)
+    text = context_text(6 * max(a.depths) + 1000)
+    all_ids = model.encode(text)
+    if len(all_ids) < max(a.depths):
+        raise ValueError(f"only {len(all_ids)} context tokens available")
+    out = {"revision": source_revision(), "model": model_identity(model), "machine": machine(),
+           "max_width": a.max_width, "max_tokens": a.max_tokens, "first_request": {}, "depths": []}
+    prompt_of = {d: all_ids[:max(d, 1)] for d in a.depths}
+    # The first request of a fresh process: the rule runs on its priors alone.
+    for d in a.depths:
+        model._width_rule = None
+        r = model.generate(prompt_of[d], verify="auto", width=a.max_width, max_tokens=a.max_tokens,
+                           drafter=a.drafter, temperature=a.temperature, cache_prompt=True)
+        out["first_request"][d] = r.stats.decode_tokens_per_s
+    model._width_rule = None
+    for d in a.depths:
+        res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature, print)
+        res["first_request_rule_tokens_per_s"] = out["first_request"][d]
+        res["first_request_ratio"] = out["first_request"][d] / res["best_fixed_tokens_per_s"]
+        out["depths"].append(res)
+    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio")
+    for r in out["depths"]:
+        print(f"{r['depth']:>6} {r['best_fixed_width']:>6} {r['best_fixed_tokens_per_s']:>10.1f} "
+              f"{r['rule_tokens_per_s']:>10.1f} {r['rule_ratio']:>6.3f} {r['first_request_ratio']:>8.3f}")
+    out["plot"] = plot(out["depths"], Path(a.out).with_suffix(".png"))
+    print(f"plot: {out['plot']}")
+    sha = dump_json(out, a.out)
+    print(f"raw JSON {a.out} sha256 {sha}")
+    return 0

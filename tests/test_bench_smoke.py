@@ -1,0 +1,64 @@
+"""Smoke runs of the benchmark commands (correctness only: they run, keep every block, check
+identical tokens, and write reproducible JSON). Timings are not asserted."""
+import json
+
+import numpy as np
+import pytest
+
+from sapwood.benchmarks.ab import block_verdict, run_ab
+from sapwood.benchmarks.width import accepted_by_width
+from sapwood.cli import main
+from sapwood.testing import make_tiny_checkpoint
+from sapwood.tree import Tree
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    p = tmp_path_factory.mktemp("bench") / "m"
+    make_tiny_checkpoint(p, seed=1)
+    return p
+
+
+def test_block_verdict_rule():
+    assert block_verdict([100, 100], [99, 99])["verdict"] == "pass"        # -1%: within 2%
+    assert block_verdict([100, 100], [95, 95])["verdict"] == "regression"  # -5%
+    assert block_verdict([100, 90], [100, 100])["verdict"] == "inconclusive"  # A spread 10.5%
+    v = block_verdict([100, 104], [95, 99])
+    assert v["verdict"] == "pass" and v["spread"] == pytest.approx(4 / 97)  # -4.9% <= 2*spread
+
+
+def test_ab_command_writes_every_block(ckpt, tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    assert main(["bench", "ab", "--model", str(ckpt), "--a", "verify=off",
+                 "--b", "verify=tree,width=4,drafter=lookup", "--prompts", "2",
+                 "--max-tokens", "8", "--blocks", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["per_prompt"]) == 2 and all(len(p["blocks"]) == 2 for p in res["per_prompt"])
+    assert [b["order"] for b in res["per_prompt"][0]["blocks"]] == ["ABBA", "BAAB"]
+    assert res["revision"] and res["model"]["files"]
+    assert "sha256" in capsys.readouterr().out
+
+
+def test_ab_detects_different_outputs(ckpt):
+    import sapwood
+    m = sapwood.load(ckpt)
+    prompts = [{"id": "x", "kind": "code", "text": "def f():"}]
+    with pytest.raises(AssertionError, match="differs"):
+        run_ab(m, {"temperature": 0.0}, {"temperature": 1.0, "seed": 3}, prompts, max_tokens=8,
+               blocks=1, log=lambda *_: None)
+
+
+def test_accepted_by_width_uses_the_prefix_property():
+    t = Tree(np.array([5, 1, 2, 3, 4]), np.array([-1, 0, 0, 1, 3]), np.array([0, 1, 1, 2, 3]),
+             np.array([-1, 0, 1, 0, 0]), np.zeros(5))
+    assert accepted_by_width(t, [0, 1, 3, 4], 5).tolist() == [0, 1, 1, 2, 3]
+
+
+def test_width_command(ckpt, tmp_path):
+    out = tmp_path / "w.json"
+    assert main(["bench", "width", "--model", str(ckpt), "--depths", "8", "64",
+                 "--max-width", "4", "--max-tokens", "6", "--drafter", "lookup",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [d["depth"] for d in res["depths"]] == [8, 64]
+    assert all(len(d["fixed_tokens_per_s"]) == 4 for d in res["depths"])
