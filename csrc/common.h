@@ -23,6 +23,18 @@ std::string cat(const Args&... args) {
   return os.str();
 }
 
+// Finite-input helpers that compile to plain instructions (std::fmax/fmin/nearbyint become
+// libm calls on baseline x86-64 because of their NaN and rounding-mode contracts).
+inline float max_f(float a, float b) { return a > b ? a : b; }
+inline float clamp_f(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// Round half to even (np.rint) for |x| < 2^22: adding and removing 1.5 * 2^23 leaves the
+// float rounded to an integer by the FPU's default round-to-nearest-even.
+// (Without -ffast-math the compiler may not fold x + b - b, which would change the value.)
+inline float rint_small(float x) {
+  const float big = 12582912.0f;
+  return (x + big) - big;
+}
+
 #define SW_CHECK(cond, ...) \
   do { if (!(cond)) throw ::sapwood::InputError(::sapwood::cat(__VA_ARGS__)); } while (0)
 

@@ -8,18 +8,31 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SW_PAUSE() _mm_pause()
+#else
+#define SW_PAUSE() std::this_thread::yield()
+#endif
+
 namespace sapwood {
 namespace {
+
+// Workers spin for a short while after each region before sleeping: a decode step issues
+// dozens of small parallel regions, and waking sleeping threads through the kernel for each
+// costs more than the work.
+constexpr int kSpinIters = 20000;
 
 class Pool {
  public:
   explicit Pool(int n) {
-    for (int i = 0; i < n; ++i) workers_.emplace_back([this] { loop(); });
+    for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
   }
   ~Pool() {
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
@@ -29,20 +42,20 @@ class Pool {
   // The caller thread takes part, so `helpers` workers join it.
   void run(int n, int helpers, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);  // one parallel region at a time
+    fn_ = &fn;
+    n_ = n;
+    helpers_ = helpers;
+    error_ = nullptr;
+    next_.store(0);
+    remaining_.store(helpers);
     {
       std::lock_guard<std::mutex> lk(mu_);
-      fn_ = &fn;
-      n_ = n;
-      next_.store(0);
-      active_ = helpers;
-      helpers_ = helpers;
-      error_ = nullptr;
-      ++generation_;
+      generation_.fetch_add(1);
     }
-    cv_.notify_all();
+    if (sleepers_.load() > 0) cv_.notify_all();
     work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return active_ == 0; });
+    for (int spins = 0; remaining_.load() > 0; ++spins)
+      if (spins < kSpinIters) SW_PAUSE(); else std::this_thread::yield();
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -58,28 +71,35 @@ class Pool {
       }
     }
   }
-  void loop() {
-    uint64_t seen = 0;
-    int index = slot_.fetch_add(1);
+  void loop(int index) {
+    uint64_t seen = generation_.load();
     for (;;) {
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || (generation_ != seen && index < helpers_); });
-        if (stop_) return;
-        seen = generation_;
+      bool go = false;
+      for (int s = 0; s < kSpinIters && !go; ++s) {
+        if (generation_.load() != seen) go = true; else SW_PAUSE();
       }
-      work();
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--active_ == 0) done_cv_.notify_all();
+      if (!go) {
+        std::unique_lock<std::mutex> lk(mu_);
+        sleepers_.fetch_add(1);
+        cv_.wait(lk, [&] { return generation_.load() != seen; });
+        sleepers_.fetch_sub(1);
+      }
+      seen = generation_.load();
+      if (stop_) return;
+      if (index < helpers_) {
+        work();
+        remaining_.fetch_sub(1);
+      }
     }
   }
+
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
-  std::condition_variable cv_, done_cv_;
+  std::condition_variable cv_;
   const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0, active_ = 0, helpers_ = 0;
-  std::atomic<int> next_{0}, slot_{0};
-  uint64_t generation_ = 0;
+  int n_ = 0, helpers_ = 0;
+  std::atomic<int> next_{0}, remaining_{0}, sleepers_{0};
+  std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
   std::exception_ptr error_;
 };
