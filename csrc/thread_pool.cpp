@@ -72,7 +72,7 @@ class Pool {
     }
   }
   void loop(int index) {
-    uint64_t seen = generation_.load();
+    uint64_t seen = 0;  // the generation at construction: a region may start before we run
     for (;;) {
       bool go = false;
       for (int s = 0; s < kSpinIters && !go; ++s) {
