@@ -35,6 +35,16 @@ inline float rint_small(float x) {
   return (x + big) - big;
 }
 
+// The one symmetric quantizer (KV groups, q8/q4 weights, int8 activations):
+// scale = amax / qmax, q = clamp(rint(x / scale), -qmax, qmax), scale 0 -> q = 0.
+inline float quantize_block(const float* x, int n, float qmax, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = max_f(amax, x[i] < 0 ? -x[i] : x[i]);
+  const float s = amax / qmax;
+  for (int i = 0; i < n; ++i) q[i] = s == 0.0f ? 0 : int8_t(clamp_f(rint_small(x[i] / s), -qmax, qmax));
+  return s;
+}
+
 #define SW_CHECK(cond, ...) \
   do { if (!(cond)) throw ::sapwood::InputError(::sapwood::cat(__VA_ARGS__)); } while (0)
 

@@ -8,17 +8,8 @@
 namespace sapwood {
 
 void quantize_int8(const float* x, int dim, int8_t* q, float* scale) {
-  for (int g = 0; g < dim / kKVGroup; ++g) {
-    const float* xg = x + g * kKVGroup;
-    float amax = 0.0f;
-    for (int j = 0; j < kKVGroup; ++j) amax = max_f(amax, std::fabs(xg[j]));
-    const float s = amax / 127.0f;
-    scale[g] = s;
-    for (int j = 0; j < kKVGroup; ++j) {
-      float r = s == 0.0f ? 0.0f : rint_small(xg[j] / s);  // round half to even, as np.rint
-      q[g * kKVGroup + j] = int8_t(clamp_f(r, -127.0f, 127.0f));
-    }
-  }
+  for (int g = 0; g < dim / kKVGroup; ++g)
+    scale[g] = quantize_block(x + g * kKVGroup, kKVGroup, 127.0f, q + g * kKVGroup);
 }
 
 void dequantize_int8(const int8_t* q, const float* scale, int dim, float* out) {

@@ -45,15 +45,8 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
     cols_pad = round_up(c, 32);
     q8.assign(size_t(r) * cols_pad, 0);
     scale.resize(r);
-    for (int o = 0; o < r; ++o) {
-      const float* wr = w + size_t(o) * c;
-      float amax = 0.0f;
-      for (int k = 0; k < c; ++k) amax = max_f(amax, std::fabs(wr[k]));
-      const float s = amax / 127.0f;
-      scale[o] = s;
-      for (int k = 0; k < c; ++k)
-        q8[size_t(o) * cols_pad + k] = s == 0.0f ? 0 : int8_t(clamp_f(rint_small(wr[k] / s), -127.0f, 127.0f));
-    }
+    for (int o = 0; o < r; ++o)
+      scale[o] = quantize_block(w + size_t(o) * c, c, 127.0f, q8.data() + size_t(o) * cols_pad);
   } else {
     cols_pad = round_up(c, kQ4Group);
     const int groups = cols_pad / kQ4Group;
@@ -62,12 +55,10 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
     for (int o = 0; o < r; ++o)
       for (int g = 0; g < groups; ++g) {
         const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
-        float amax = 0.0f;
-        for (int k = k0; k < k1; ++k) amax = max_f(amax, std::fabs(w[size_t(o) * c + k]));
-        const float s = amax / 7.0f;
-        scale[size_t(o) * groups + g] = s;
+        int8_t qs[kQ4Group];
+        scale[size_t(o) * groups + g] = quantize_block(w + size_t(o) * c + k0, k1 - k0, 7.0f, qs);
         for (int k = k0; k < k1; ++k) {
-          int q = s == 0.0f ? 0 : int(clamp_f(rint_small(w[size_t(o) * c + k] / s), -7.0f, 7.0f));
+          const int q = qs[k - k0];
           uint8_t& byte = q4[q4_byte(o, k)];
           byte = (k - k0) < kQ4Group / 2 ? uint8_t((byte & 0xF0) | (q + 8)) : uint8_t((byte & 0x0F) | ((q + 8) << 4));
         }
@@ -107,16 +98,8 @@ void QActs::quantize(const float* x, int rows, int cols, int pad) {
   n = rows, cols_pad = pad;
   xq.assign(size_t(rows) * pad, 0);
   xs.resize(rows);
-  for (int r = 0; r < rows; ++r) {
-    const float* xr = x + size_t(r) * cols;
-    float amax = 0.0f;
-    for (int k = 0; k < cols; ++k) amax = max_f(amax, std::fabs(xr[k]));
-    const float s = amax / 127.0f;
-    xs[r] = s;
-    if (s == 0.0f) continue;
-    for (int k = 0; k < cols; ++k)
-      xq[size_t(r) * pad + k] = int8_t(clamp_f(rint_small(xr[k] / s), -127.0f, 127.0f));
-  }
+  for (int r = 0; r < rows; ++r)
+    xs[r] = quantize_block(x + size_t(r) * cols, cols, 127.0f, xq.data() + size_t(r) * pad);
 }
 
 }  // namespace sapwood
