@@ -1,0 +1,54 @@
+// Shared by every .metal file, the Metal host (metal_backend.mm) and the emulator launchers:
+// compile-time limits and the parameter blocks passed as `constant` buffers. Plain ints and
+// floats only, so the layout is the same in MSL and in C++.
+#pragma once
+
+#ifndef SW_THREADGROUP_ARG
+#define SW_THREADGROUP_ARG(i) [[threadgroup(i)]]
+#endif
+
+enum {
+  SW_SIMD = 32,          // simdgroup width the kernels are written for
+  SW_KV_GROUP = 32,      // dims sharing one int8 scale: one simdgroup per group
+  SW_ATTN_TILE = 32,     // keys per tile, aligned to absolute positions
+  SW_ATTN_MAXP = 4,      // (row, query head) pairs one simdgroup carries through a chunk
+  SW_MAX_HEAD_DIM = 256,
+  SW_GDN_MAX_DK = 128,   // a thread holds one state column of dk floats
+  SW_GDN_MAX_W = 256,    // widest q/k/v head a conv simdgroup normalises
+  SW_GDN_MAX_K = 8,      // conv taps
+  SW_GDN_THREADS_W = 256,  // threads per gdn_window threadgroup
+  SW_Q8_MAX_ROWS = 16,
+  SW_Q8_THREADS = 256,   // 8 simdgroups per q8 threadgroup, one output channel each
+};
+
+// Attention scores are finite; this sentinel stands for "no key yet" without relying on
+// infinities (fast-math builds may assume there are none). exp(sentinel - s) == 0.
+#define SW_NEG_BIG (-1.0e30f)
+
+// kv_quantize: x [T, Hkv, D] -> pages [pages, Hkv, page_size, D] (+ scales [.., D/32]).
+// Token t goes to position pos0 + t through page_table; page_size == 0 means "direct": token t
+// is row t of a [T, Hkv, D] buffer (the tree nodes' own keys and values).
+struct SwKVQuantParams {
+  int n_tokens, n_kv_heads, head_dim, page_size, pos0;
+};
+
+// tree_attn_partial / tree_attn_merge (see tree_attention.metal).
+struct SwAttnParams {
+  int n_rows, n_q_heads, n_kv_heads, head_dim;
+  int hist_len, page_size, split, n_chunks, anc_stride;
+  float scale;
+};
+
+// gdn_conv / gdn_recur / gdn_commit / gdn_window (see gdn.metal).
+struct SwGDNParams {
+  int n_nodes, hk, hv, dk, dv, conv_k;
+  int grouped;       // 1: value head h reads key head h / (hv/hk); 0 (tiled): h % hk
+  int n_pending;     // committed-but-unfolded tokens on the tape
+  int path_len, n_fold, select_leaf;  // commit only
+  float q_scale;     // 1/sqrt(dk)
+};
+
+// q8_quantize_rows / q8_matmul (see q8_matmul.metal).
+struct SwQ8Params {
+  int rows, cols, cols_pad, out_features;
+};

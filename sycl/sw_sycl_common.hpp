@@ -1,0 +1,141 @@
+// Shared by the SYCL kernels (sycl/*.hpp), the SYCL host (sycl_backend.cpp) and the emulator:
+// limits, per-kernel argument blocks (device pointers + sizes, trivially copyable so a kernel
+// lambda can capture them), and the traits layer that routes sub-group operations, barriers
+// and math either to SYCL 2020 or to the emulator (SW_SYCL_EMU).
+//
+// Kernel bodies are templates over the item type: `template <class It> void k(const It& it, ...)`
+// using it.get_local_id(0), it.get_group(0), it.get_local_range(0), it.get_group_range(0);
+// everything else goes through swsycl:: below. One-dimensional nd_ranges only: the host
+// linearises the group grid and the kernel decodes it. Sub-groups are 32 wide
+// (reqd_sub_group_size(32) on every kernel).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#ifdef SW_SYCL_EMU
+#include "sycl_emu.hpp"  // emu/: emulated nd_item, sub-group collectives, barrier, math
+#else
+#include <sycl/sycl.hpp>
+namespace swsycl {
+template <class It> inline void barrier(const It& it) { sycl::group_barrier(it.get_group()); }
+template <class It> inline int sg_lane(const It& it) { return int(it.get_sub_group().get_local_linear_id()); }
+template <class It> inline int sg_index(const It& it) { return int(it.get_sub_group().get_group_linear_id()); }
+template <class It> inline int sg_count(const It& it) { return int(it.get_sub_group().get_group_linear_range()); }
+template <class It, class T> inline T sg_sum(const It& it, T x) {
+  return sycl::reduce_over_group(it.get_sub_group(), x, sycl::plus<T>());
+}
+template <class It, class T> inline T sg_max(const It& it, T x) {
+  return sycl::reduce_over_group(it.get_sub_group(), x, sycl::maximum<T>());
+}
+inline float exp(float x) { return sycl::exp(x); }
+inline float fma(float a, float b, float c) { return sycl::fma(a, b, c); }
+inline float rint(float x) { return sycl::rint(x); }
+inline float rsqrt(float x) { return sycl::rsqrt(x); }
+inline float fabs(float x) { return sycl::fabs(x); }
+inline float fmax(float a, float b) { return sycl::fmax(a, b); }
+inline float fmin(float a, float b) { return sycl::fmin(a, b); }
+}  // namespace swsycl
+#endif
+
+namespace swsycl {
+
+constexpr int kSimd = 32, kKVGroup = 32, kAttnTile = 32, kAttnMaxP = 4, kMaxHeadDim = 256;
+constexpr int kGDNMaxDK = 128, kGDNMaxW = 256, kGDNMaxK = 8, kGDNWindowThreads = 256;
+constexpr int kQ8MaxRows = 16, kQ8Threads = 256;
+constexpr float kNegBig = -1.0e30f;  // "no key yet"; finite so fast-math builds stay exact
+
+inline int imin(int a, int b) { return b < a ? b : a; }
+inline int imax(int a, int b) { return a < b ? b : a; }
+inline float clampf(float x, float lo, float hi) { return fmin(fmax(x, lo), hi); }
+
+struct KVQuantArgs {  // x [T, Hkv, D] -> int8 pages [pages, Hkv, page_size, D] (+ scales)
+  const float* x;
+  int8_t* q_out;
+  float* s_out;
+  const int32_t* page_table;
+  int n_tokens, n_kv_heads, head_dim, page_size, pos0;  // page_size 0: direct [T, Hkv, D]
+};
+
+struct AttnArgs {
+  const float* q;                                   // [N, Hq, D]
+  const int8_t *k_pages, *v_pages;                  // [pages, Hkv, page_size, D]
+  const float *k_pscale, *v_pscale;                 // [pages, Hkv, page_size, D/32]
+  const int32_t* page_table;
+  const int8_t *k_tree, *v_tree;                    // [N, Hkv, D]
+  const float *k_tscale, *v_tscale;                 // [N, Hkv, D/32]
+  const int32_t* anc;                               // [N, anc_stride]
+  const int32_t* row_len;                           // [N]
+  float* part;                                      // [n_chunks, N, Hq, D + 2]
+  float* out;                                       // [N, Hq, D] (merge)
+  int n_rows, n_q_heads, n_kv_heads, head_dim, hist_len, page_size, split, n_chunks, anc_stride;
+  float scale;
+};
+
+struct GDNArgs {
+  const float *x, *window, *conv_w;                 // conv inputs: [N, C], [K-1, C], [K, C]
+  const int32_t* parents;                           // [N]
+  float *q, *k, *v;                                 // conv outputs / the tree's tape
+  const float *g, *beta;                            // [N, hv]
+  float* state;                                     // [hv, dk, dv] committed
+  const float *tape_k, *tape_v, *tape_g, *tape_b;   // pending tape
+  float* out;                                       // [N, hv, dv]
+  float* node_state;                                // [N, hv, dk, dv]
+  const int32_t* path;                              // commit
+  float *new_k, *new_v, *new_g, *new_b, *new_window;
+  int n_nodes, hk, hv, dk, dv, conv_k, grouped, n_pending, path_len, n_fold, select_leaf;
+  float q_scale;
+};
+
+struct Q8Args {
+  const float* x;            // [rows, cols]
+  int8_t* xq;                // [rows, cols_pad]
+  float* xs;                 // [rows]
+  const int8_t* w;           // [out, cols_pad]
+  const float* w_scale;      // [out]
+  float* y;                  // [rows, out]
+  int rows, cols, cols_pad, out_features;
+};
+
+// ---- host-side planning, shared by sycl_backend.cpp and the emulator launcher ----
+// From parents: depth, root-to-node paths (anc[i][d] = node at depth d on row i's path) and
+// row_len[i] = hist_len + depth + 1. Rows go in blocks of at most 32 * kAttnMaxP (row, query
+// head) pairs. No row's arithmetic depends on any of it (see tree_attention.hpp).
+struct AttnPlan {
+  int n_rows, stride, grp, rows_per_block;
+};
+
+// depth, anc, row_len: caller buffers of n, n * n, n ints. max_subgroups: the device's work-group
+// limit / 32 (32 in the emulator). Returns 0, or -1 for bad parents.
+inline int attn_plan(const int32_t* parents, int n, int hist_len, int n_q_heads, int n_kv_heads,
+                     int max_subgroups, int32_t* depth, int32_t* anc, int32_t* row_len, AttnPlan* plan) {
+  int max_depth = 0;
+  for (int i = 0; i < n; ++i) {
+    if (i == 0 ? parents[0] != -1 : (parents[i] < 0 || parents[i] >= i)) return -1;
+    depth[i] = i == 0 ? 0 : depth[parents[i]] + 1;
+    max_depth = imax(max_depth, depth[i]);
+  }
+  plan->n_rows = n;
+  plan->stride = max_depth + 1;
+  plan->grp = n_q_heads / n_kv_heads;
+  plan->rows_per_block = imax(1, max_subgroups * kAttnMaxP / plan->grp);
+  for (int i = 0; i < n; ++i) {
+    for (int k = i; k >= 0; k = parents[k]) anc[i * plan->stride + depth[k]] = k;
+    row_len[i] = hist_len + depth[i] + 1;
+  }
+  return 0;
+}
+
+// Rows [r0, r0 + *nr) form the next block: its chunk count and sub-groups per work-group.
+inline void attn_block(const AttnPlan& plan, const int32_t* row_len, int r0, int split, int* nr,
+                       int* n_chunks, int* nsg) {
+  *nr = imin(plan.rows_per_block, plan.n_rows - r0);
+  int max_len = 0;
+  for (int i = r0; i < r0 + *nr; ++i) max_len = imax(max_len, row_len[i]);
+  *n_chunks = (max_len + split - 1) / split;
+  *nsg = (*nr * plan.grp + kAttnMaxP - 1) / kAttnMaxP;
+}
+
+inline int attn_local_bytes(int head_dim) { return 72 * head_dim; }  // int8 K, V tiles + scales
+
+}  // namespace swsycl
