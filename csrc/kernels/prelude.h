@@ -10,5 +10,6 @@
 #include <immintrin.h>
 #endif
 
+#include "../common.h"
 #include "../thread_pool.h"
 #include "kernels.h"
