@@ -251,3 +251,22 @@ def test_draft_with_other_vocabulary_rejected(models):
     target, root = models
     with pytest.raises(ValueError, match="vocabulary"):
         target.generate([1, 2, 3], drafter=str(root / "other"))
+
+
+def test_chat_messages_use_the_checkpoint_template(tmp_path):
+    import json
+    make_tiny_checkpoint(tmp_path / "c", seed=1)
+    tpl = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+           "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "c" / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
+    m = sapwood.load(tmp_path / "c")
+    msgs = [{"role": "user", "content": "hi"}]
+    text = m.apply_chat_template(msgs)
+    assert text == "<user>hi\n<assistant>"
+    a = m.generate(msgs, max_tokens=5, verify="off")
+    b = m.generate(m.encode(text), max_tokens=5, verify="off")
+    assert a.tokens == b.tokens
+    plain = sapwood.load(tmp_path / "c")
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.generate(msgs, max_tokens=2)
