@@ -18,10 +18,11 @@
 namespace sapwood {
 namespace {
 
-// Workers spin for a short while after each region before sleeping: a decode step issues
-// dozens of small parallel regions, and waking sleeping threads through the kernel for each
-// costs more than the work.
-constexpr int kSpinIters = 20000;
+// Workers and the caller spin for a short while (~0.1 ms) before sleeping: a decode step
+// issues dozens of small parallel regions, and waking sleeping threads through the kernel for
+// each costs more than the work. Past that they block, so a loaded machine (more runnable
+// threads than cores) is not made worse by busy-waiting.
+constexpr int kSpinIters = 4000;
 
 class Pool {
  public:
@@ -54,8 +55,11 @@ class Pool {
     }
     if (sleepers_.load() > 0) cv_.notify_all();
     work();
-    for (int spins = 0; remaining_.load() > 0; ++spins)
-      if (spins < kSpinIters) SW_PAUSE(); else std::this_thread::yield();
+    for (int spins = 0; remaining_.load() > 0 && spins < kSpinIters; ++spins) SW_PAUSE();
+    if (remaining_.load() > 0) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return remaining_.load() == 0; });
+    }
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -88,14 +92,17 @@ class Pool {
       if (stop_) return;
       if (index < helpers_) {
         work();
-        remaining_.fetch_sub(1);
+        if (remaining_.fetch_sub(1) == 1) {
+          { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see 0
+          done_cv_.notify_all();
+        }
       }
     }
   }
 
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_, done_cv_;
   const std::function<void(int)>* fn_ = nullptr;
   int n_ = 0, helpers_ = 0;
   std::atomic<int> next_{0}, remaining_{0}, sleepers_{0};
