@@ -168,3 +168,14 @@ def test_training_step_runs():
     loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).reshape(-1, TINY["vocab_size"]), ids[:, 1:].reshape(-1))
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_generate_topk_matches_full_forward():
+    m = random_model("tiny", torch.float64, seed=6)
+    pre = torch.randint(0, TINY["vocab_size"], (3, 70), generator=torch.Generator().manual_seed(7))
+    seq, v, i = td.generate(m, pre, 10, 0.0, None, topk=5)
+    with torch.no_grad():
+        lp = torch.log_softmax(m(seq[:, :-1]), -1)
+    assert seq.shape == (3, 80) and v.shape == (3, 79, 5)
+    assert torch.allclose(lp.gather(-1, i), v, atol=1e-10)
+    assert torch.equal(seq[:, 70:], lp[:, 69:].argmax(-1))  # greedy

@@ -1,0 +1,47 @@
+"""The bundled default pair: loads offline through the same code as any checkpoint, has its
+draft attached, and generates identically in every verify mode (greedy and sampled)."""
+import json
+
+import pytest
+
+import sapwood
+from sapwood.loading import DEFAULT_DIR
+
+
+@pytest.fixture(scope="module")
+def default():
+    return sapwood.load("default", max_context=1024)
+
+
+def test_bundled_files_and_recipe():
+    for part in ("target", "draft"):
+        d = DEFAULT_DIR / part
+        for f in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert (d / f).is_file(), f"{d / f} missing"
+    recipe = json.loads((DEFAULT_DIR / "RECIPE.json").read_text())
+    assert recipe  # seeds, data list, steps: how the shipped weights were made
+
+
+def test_default_has_its_draft_and_one_tokenizer(default):
+    assert default.draft is not None
+    assert default.draft.config.vocab_size == default.config.vocab_size
+    assert default.config.num_layers > default.draft.config.num_layers
+    assert default.decode(default.encode("def merge(a, b):")) == "def merge(a, b):"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_identical_in_every_verify_mode(default, temperature):
+    prompt = "def merge(a, b):\n"
+    runs = {}
+    for verify, width, drafter in [("off", None, None), ("chain", None, None), ("tree", 4, None),
+                                   ("tree", 16, None), ("auto", None, None),
+                                   ("auto", None, "lookup"), ("chain", None, "default")]:
+        r = default.generate(prompt, max_tokens=48, temperature=temperature, seed=7,
+                             verify=verify, width=width, drafter=drafter)
+        runs[(verify, width, drafter)] = r
+    base = runs[("off", None, None)]
+    for key, r in runs.items():
+        assert r.tokens == base.tokens, key
+        assert r.text == base.text
+    if temperature == 0.0:  # the bundled draft predicts the target: chain rounds keep rows
+        assert runs[("chain", None, None)].stats.tokens_per_cycle > 1.5
