@@ -270,3 +270,15 @@ def test_chat_messages_use_the_checkpoint_template(tmp_path):
     plain.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         plain.generate(msgs, max_tokens=2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
+    lat = lattice(rows=8, k=4, seed=seed)
+    chance = lambda rank, depth: [0.9, 0.05, 0.03, 0.02][rank]  # a confident top-1 drafter
+    big = grow(0, lat, 16, chance=chance)
+    for w in range(1, 17):
+        assert (grow(0, lat, w, chance=chance).parents == big.parents[:w]).all()
+    assert (np.diff(big.logp) <= 1e-12).all()
+    assert big.depth.max() == 8  # the whole top-1 chain is in the tree
+    assert (big.depth[:9] == np.arange(9)).all()

@@ -125,7 +125,7 @@ class Decoder:
         if mode == "chain":
             return trees.chain(root, lattice, rows), False
         max_w = min(self.cfg.width or 16, room)
-        full = trees.grow(root, lattice, max_w)
+        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance.chance)
         if mode == "tree":
             return full, True
         w = self.rule.choose(full, self.engine.position)

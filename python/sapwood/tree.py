@@ -37,8 +37,14 @@ class Tree:
         return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w])
 
 
-def grow(root: int, lattice: Lattice, width: int) -> Tree:
+def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
+
+    A node's chance is its parent's times its candidate's probability: the drafter's, or, when
+    `chance(rank, depth)` is given, the calibrated probability that the target accepts a
+    candidate of that rank at that depth (made non-increasing in rank, so siblings still pop in
+    rank order). Calibrated chances keep a confident drafter's chain deep instead of spending
+    the width on unlikely siblings near the root.
 
     Lazy enumeration: popping a node pushes its first child (rank 0 of the next row) and its
     next sibling (rank+1 in the same row, same parent), so the heap stays small.
@@ -47,10 +53,18 @@ def grow(root: int, lattice: Lattice, width: int) -> Tree:
     heap: list = []
     counter = 0
 
+    cal = {}
+    if chance is not None:
+        for row in range(lattice.rows):
+            c = np.minimum.accumulate(
+                np.asarray([chance(r, row + 1) for r in range(len(lattice.tokens[row]))], float))
+            cal[row] = np.log(np.maximum(c, 1e-12))
+
     def push(parent: int, row: int, rank: int):
         nonlocal counter
         if row < lattice.rows and rank < len(lattice.tokens[row]):
-            lp = lps[parent] + float(lattice.logprobs[row][rank])
+            step = cal[row][rank] if chance is not None else float(lattice.logprobs[row][rank])
+            lp = lps[parent] + step
             heapq.heappush(heap, (-lp, counter, parent, row, rank))
             counter += 1
 
