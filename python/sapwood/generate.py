@@ -141,6 +141,8 @@ class Decoder:
         self.finish_reason = "length"
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
+        if hasattr(self.drafter, "sync"):  # a draft model prefills the prompt too: count it here
+            self.drafter.sync(self.context)
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
