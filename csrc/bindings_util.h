@@ -13,7 +13,6 @@
 namespace sapwood {
 namespace py = pybind11;
 using F32 = py::array_t<float, py::array::c_style>;
-using I32 = py::array_t<int32_t, py::array::c_style>;
 
 inline std::string shape_str(const py::array& a) {
   std::string s = "(";

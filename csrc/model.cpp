@@ -28,7 +28,6 @@ const Tensor& get(const TensorMap& t, const std::string& name, std::vector<int64
   auto it = t.find(name);
   SW_CHECK(it != t.end(), "missing weight tensor '", name, "'");
   SW_CHECK(it->second.shape == shape, "weight '", name, "' has the wrong shape");
-  for (int64_t i = 0, n = 1; i < (int64_t)shape.size(); ++i) n *= shape[i];
   return it->second;
 }
 
@@ -138,8 +137,12 @@ ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   return w;
 }
 
-void Forward::mm(const QMatrix& w, const float* x, int n, float* y) {
-  if (w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4) acts_.quantize(x, n, w.cols, w.cols_pad);
+void Forward::mm(const QMatrix& w, const float* x, int n, float* y, bool same_x) {
+  // same_x: x is the input of the previous mm (qkv/z share h, gate/up share y): its row
+  // quantization in acts_ is reused instead of being computed again.
+  const bool quant = w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4;
+  if (quant && !(same_x && acts_.n == n && acts_.cols_pad == w.cols_pad))
+    acts_.quantize(x, n, w.cols, w.cols_pad);
   MatmulProblem pb{&w, x, &acts_, n, y};
   kernels().matmul(pb, threads_);
 }
@@ -149,7 +152,7 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
   const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
   std::vector<float> qkv(size_t(n) * C), z(size_t(n) * V), ba(size_t(n) * 2 * hv);
   mm(L.qkv, h, n, qkv.data());
-  mm(L.z, h, n, z.data());
+  mm(L.z, h, n, z.data(), /*same_x=*/true);
   mm(L.ba, h, n, ba.data());
   std::vector<float> beta(size_t(n) * hv), gdec(size_t(n) * hv), o(size_t(n) * V);
   for (int i = 0; i < n; ++i)
@@ -183,8 +186,8 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
   tape.k.resize(size_t(n) * Hkv * D);
   tape.v.resize(size_t(n) * Hkv * D);
   mm(L.q, h, n, qg.data());
-  mm(L.k, h, n, tape.k.data());
-  mm(L.v, h, n, tape.v.data());
+  mm(L.k, h, n, tape.k.data(), /*same_x=*/true);
+  mm(L.v, h, n, tape.v.data(), /*same_x=*/true);
   for (int i = 0; i < n; ++i) {
     for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
       const float* src = qg.data() + (size_t(i) * Hq + hh) * 2 * D;
@@ -246,7 +249,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
     rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
     mm(L.gate, h.data(), n, g.data());
-    mm(L.up, h.data(), n, u.data());
+    mm(L.up, h.data(), n, u.data(), /*same_x=*/true);
     for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
     mm(L.down, g.data(), n, mix.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];

@@ -76,7 +76,7 @@ class Forward {
                          std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from);
 
  private:
-  void mm(const QMatrix& w, const float* x, int n, float* y);
+  void mm(const QMatrix& w, const float* x, int n, float* y, bool same_x = false);
   void gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out);
   void attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
                   KVTape& tape, float* out);

@@ -19,7 +19,11 @@ def test_bundled_files_and_recipe():
         for f in ("config.json", "model.safetensors", "tokenizer.json"):
             assert (d / f).is_file(), f"{d / f} missing"
     recipe = json.loads((DEFAULT_DIR / "RECIPE.json").read_text())
-    assert recipe  # seeds, data list, steps: how the shipped weights were made
+    # how the shipped weights were made: seed, data list, tokenizer, both models' configs
+    assert isinstance(recipe["seed"], int)
+    assert len(recipe["corpus"]["list_sha256"]) == 64
+    assert recipe["tokenizer"]["vocab_size"] == 4096
+    assert {"target", "draft"} <= set(recipe)
 
 
 def test_default_has_its_draft_and_one_tokenizer(default):

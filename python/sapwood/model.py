@@ -96,7 +96,7 @@ class Model:
         cache_prompt=True restores the committed state of an identical previous prompt
         instead of prefilling it again (benchmarks of long contexts use it).
         """
-        from .generate import DecodeConfig, Decoder, GenerationResult
+        from .generate import DecodeConfig, Decoder
         from .policy import WidthRule
         from .sampling import SamplingParams
 
