@@ -111,6 +111,16 @@ void bind_engine(py::module_& m) {
              py::gil_scoped_release release;
              e.commit(p);
            }, py::arg("path"))
+      .def("draft_chain", [](Engine& e, int root, int rows) {
+             std::vector<float> out;
+             {
+               py::gil_scoped_release release;
+               out = e.draft_chain(root, rows);
+             }
+             return to_array(std::move(out), py::ssize_t(rows), e.dims().vocab);
+           },
+           py::arg("root"), py::arg("rows"),
+           "Logits [rows, V] along the greedy chain from root; committed state unchanged.")
       .def("reset", &Engine::reset)
       .def("fill_synthetic", [](Engine& e, int n, uint64_t seed) {
              py::gil_scoped_release release;

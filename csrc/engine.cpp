@@ -116,6 +116,34 @@ void Engine::commit(const std::vector<int>& path) {
   tape_parents_.clear();
 }
 
+std::vector<float> Engine::draft_chain(int root, int rows) {
+  check_tokens({root});
+  const int P = position(), V = dims_.vocab;
+  SW_CHECK(rows >= 1 && P + rows <= max_context_, "draft_chain: ", rows, " rows at position ", P,
+           " (max_context ", max_context_, ")");
+  tape_parents_.clear();
+  seq_->reserve(P + rows);
+  // Commit one token per row, then roll back: KV pages are append-only (truncating to P leaves
+  // positions < P untouched) and the GDN layers are restored from a copy.
+  const std::vector<GDNLayer> saved = gdn_;
+  std::vector<float> out(size_t(rows) * V);
+  try {
+    int tok = root;
+    for (int r = 0; r < rows; ++r) {
+      const std::vector<float> row = prefill_chunks({tok}, false, P + r);
+      std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
+      tok = int(std::max_element(row.begin(), row.end()) - row.begin());  // first max = lower id
+    }
+  } catch (...) {
+    gdn_ = saved;
+    seq_->truncate(P);
+    throw;
+  }
+  gdn_ = saved;
+  seq_->truncate(P);
+  return out;
+}
+
 void Engine::reset() {
   seq_->truncate(0);
   for (GDNLayer& g : gdn_) g.reset();

@@ -24,6 +24,10 @@ class Engine {
   // Score a tree (node 0 = root at position P); committed state unchanged. [N][V].
   std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
   void commit(const std::vector<int>& path);
+  // Greedy self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is the
+  // argmax of row r (ties: lower id). Row r equals verify(chain[0..r])[r] bitwise; committed
+  // state unchanged. One call instead of `rows` chain verifies of growing length.
+  std::vector<float> draft_chain(int root, int rows);
   void reset();
   // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
   // state left as it is) without paying for their prefill. Not a model computation.

@@ -97,23 +97,25 @@ def hybrid_config(hidden, layers, intermediate, heads, kv_heads, hk, hv, head_di
 TARGET_CONFIG = hybrid_config(hidden=288, layers=8, intermediate=864, heads=4, kv_heads=2, hk=4, hv=8)
 DRAFT_CONFIG = hybrid_config(hidden=128, layers=4, intermediate=384, heads=2, kv_heads=1, hk=2, hv=4)
 
-# Training recipe. Steps were chosen from `bench` on this machine (2 threads) so that the target
-# run takes <= ~60 min and the draft <= ~15 min; see RECIPE.json for the measured numbers.
-# bench (06:40, idle machine, 2 threads): target 8x512 eager 4.3 s/step (950 tok/s), torch.compile'd
+# Training recipe. The learning rate follows warmup-stable-decay (WSD): linear warmup, constant
+# peak, then a linear decay to min_lr_frac * peak over `decay_steps`. A run is defined by its step
+# counts: with stable_steps / decay_steps set it is step-exact reproducible (fixed seeds, fixed
+# batches per step, fixed thread count). Left as None, the decay starts when the time budget
+# (max_minutes) has decay_minutes left, and decay_steps is sized from the measured step time; the
+# counts the run chose are recorded in RECIPE.json, and `--target-steps S:D` replays them exactly.
+# bench (idle machine, 2 threads): target 8x512 eager 4.3 s/step (950 tok/s), torch.compile'd
 # 3.3 s/step (~1240 tok/s) after a 5 min compile; draft 32x192 eager 1.1 s/step (5600 tok/s).
-# The machine is shared: when another process holds a core, 2 threads stall on the straggler
-# (64 tok/s seen) and compiling took 10 min, so training runs eager with an adaptive thread count
-# (1 or 2, re-measured every `probe_every` steps) and a time budget: the cosine schedule follows
-# progress = max(step / steps, elapsed / max_minutes) and training stops when it reaches 1.
-# With max_minutes=None the run is step-exact reproducible (fixed seeds, fixed batches per step).
-TARGET_TRAIN = dict(seq_len=512, batch=8, steps=1000, lr=1.5e-3, min_lr_frac=0.1, warmup=40,
-                    weight_decay=0.1, betas=(0.9, 0.95), clip=1.0, log_every=10, eval_every=150,
-                    ckpt_every=25, max_minutes=44.0, compile=False, probe_every=25)
+# The machine is shared: when another process holds a core, 2 threads stall on the straggler, so
+# an eager run may pick its thread count (1 or 2) by measured step time (probe_every > 0).
+TARGET_TRAIN = dict(seq_len=512, batch=8, stable_steps=None, decay_steps=None, lr=1.5e-3,
+                    min_lr_frac=0.1, warmup=40, weight_decay=0.1, betas=(0.9, 0.95), clip=1.0,
+                    log_every=10, eval_every=250, ckpt_every=25, max_minutes=95.0, decay_minutes=18.0,
+                    compile=True, probe_every=0)
 DISTILL = dict(prefix_len=128, cont_len=64, n_train=4096, n_heldout=256, batch=128, temperature=0.8,
-               topk=32, max_minutes=9.0)
-DRAFT_TRAIN = dict(batch=32, steps=800, lr=3e-3, min_lr_frac=0.1, warmup=30, weight_decay=0.1,
-                   betas=(0.9, 0.95), clip=1.0, log_every=10, eval_every=200, ckpt_every=50,
-                   max_minutes=12.0, compile=False, probe_every=25)
+               topk=32, max_minutes=9.0, train_limit=None)
+DRAFT_TRAIN = dict(batch=32, stable_steps=None, decay_steps=None, lr=3e-3, min_lr_frac=0.1, warmup=30,
+                   weight_decay=0.1, betas=(0.9, 0.95), clip=1.0, log_every=10, eval_every=200,
+                   ckpt_every=50, max_minutes=12.0, decay_minutes=3.0, compile=False, probe_every=0)
 
 
 def log(msg, f=None):
@@ -527,12 +529,15 @@ def stage_tokenizer(out: Path):
 # Training helpers
 # ----------------------------------------------------------------------------------------------
 
-def lr_at(step, progress, peak, warmup, min_frac):
-    """Linear warmup over `warmup` steps, then cosine to min_frac * peak as progress goes 0 -> 1
-    (progress = fraction of the step or time budget used, whichever is larger)."""
+def lr_at(step, peak, warmup, min_frac, decay_start=None, decay_steps=None):
+    """Warmup-stable-decay: linear warmup over `warmup` steps, constant peak, then linear decay to
+    min_frac * peak over decay_steps from decay_start (None = not decaying yet)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    if decay_start is None or step < decay_start:
+        return peak
+    done = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
+    return peak * (1 - (1 - min_frac) * done)
 
 
 class ThreadChooser:
@@ -642,27 +647,29 @@ def stage_bench(out: Path, steps=4, config=None, batch=None, seq=None):
 # ----------------------------------------------------------------------------------------------
 
 def train_loop(name, model, cfgt, out_dir: Path, get_batch, loss_fn, batch_tokens, evals):
-    """Shared AdamW/cosine loop with logging, periodic eval and checkpoints (resumable)."""
+    """Shared AdamW/WSD loop with logging, periodic eval and checkpoints (resumable). Returns the
+    summary, which records the stable/decay step counts the run used (see TARGET_TRAIN)."""
     torch.set_num_threads(THREADS)
     out_dir.mkdir(parents=True, exist_ok=True)
     logf = out_dir / "log.txt"
     ckpt = out_dir / "ckpt.pt"
     opt = make_optimizer(model, cfgt["lr"], cfgt["weight_decay"], cfgt["betas"])
     start, wall_before, hist = 0, 0.0, []
+    decay_start, decay_steps = cfgt.get("stable_steps"), cfgt.get("decay_steps")
     if ckpt.exists():
         st = torch.load(ckpt, weights_only=False)
-        if not st.get("done"):
-            model.load_state_dict(st["model"])
-            opt.load_state_dict(st["opt"])
-            start, wall_before, hist = st["step"], st["wall_s"], st["hist"]
-            log(f"{name}: resuming at step {start}", logf)
-        else:
+        model.load_state_dict(st["model"])
+        if st.get("done"):
             log(f"{name}: already done ({st['step']} steps); delete {ckpt} to retrain", logf)
-            model.load_state_dict(st["model"])
             return st["summary"]
-    total = cfgt["steps"]
+        opt.load_state_dict(st["opt"])
+        start, wall_before, hist = st["step"], st["wall_s"], st["hist"]
+        decay_start, decay_steps = st.get("decay_start", decay_start), st.get("decay_steps", decay_steps)
+        log(f"{name}: resuming at step {start}", logf)
     budget = cfgt.get("max_minutes")
-    log(f"{name}: {count_params(model)} params, up to {total} steps / {budget} min, {cfgt}", logf)
+    if decay_start is None and budget is None:
+        raise ValueError(f"{name}: set stable_steps/decay_steps or a time budget")
+    log(f"{name}: {count_params(model)} params, {cfgt}", logf)
     chooser = ThreadChooser(cfgt.get("probe_every", 0))
     step_loss = loss_fn
     if cfgt.get("compile"):
@@ -671,14 +678,14 @@ def train_loop(name, model, cfgt, out_dir: Path, get_batch, loss_fn, batch_token
     t0 = time.time()
     tokens_seen = sum(h[2] for h in hist)
     step = start
-    stopped_early = False
-    progress = 0.0
-    while progress < 1.0:
+    step_times = []
+    while decay_start is None or step < decay_start + decay_steps:
         wall = wall_before + time.time() - t0
-        progress = max(step / total, wall / 60 / budget if budget else 0.0)
-        if progress >= 1.0:
-            break
-        lr = lr_at(step, progress, cfgt["lr"], cfgt["warmup"], cfgt["min_lr_frac"])
+        if decay_start is None and wall / 60 >= budget - cfgt["decay_minutes"] and len(step_times) >= 5:
+            decay_start = step
+            decay_steps = max(1, round(cfgt["decay_minutes"] * 60 / float(np.median(step_times[-20:]))))
+            log(f"{name}: decay starts at step {decay_start}, {decay_steps} decay steps", logf)
+        lr = lr_at(step, cfgt["lr"], cfgt["warmup"], cfgt["min_lr_frac"], decay_start, decay_steps)
         for gp in opt.param_groups:
             gp["lr"] = lr
         batch = get_batch(step)
@@ -690,29 +697,28 @@ def train_loop(name, model, cfgt, out_dir: Path, get_batch, loss_fn, batch_token
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfgt["clip"]).item()
         opt.step()
         chooser.after(time.time() - ts)
+        step_times.append(time.time() - ts)
         step += 1
         tokens_seen += ntok
         hist.append((step, loss.item(), ntok))
         wall = wall_before + time.time() - t0
-        if step % cfgt["log_every"] == 0 or step == total:
+        if step % cfgt["log_every"] == 0:
             recent = [h[1] for h in hist[-cfgt["log_every"]:]]
             times = {n: round(t, 2) for n, t in chooser.time.items() if t is not None}
-            log(f"{name} step {step}/{total} loss {np.mean(recent):.4f} lr {lr:.2e} gnorm {gn:.2f} "
-                f"tokens {tokens_seen} wall {wall / 60:.1f}m progress {progress:.3f} "
-                f"tok/s {tokens_seen / max(wall, 1e-9):.0f} s/step by threads {times}", logf)
-        if step % cfgt["eval_every"] == 0 and step < total:
+            log(f"{name} step {step} loss {np.mean(recent):.4f} lr {lr:.2e} gnorm {gn:.2f} "
+                f"tokens {tokens_seen} wall {wall / 60:.1f}m tok/s {tokens_seen / max(wall, 1e-9):.0f} "
+                f"s/step by threads {times}", logf)
+        if step % cfgt["eval_every"] == 0:
             res = {k: fn(model) for k, fn in evals.items()}
             log(f"{name} eval step {step}: {json.dumps(res)}", logf)
-        if step % cfgt["ckpt_every"] == 0 or step == total:
-            save_ckpt(ckpt, model, opt, step, {"wall_s": wall, "hist": hist, "done": False})
-    stopped_early = step < total
-    if stopped_early:
-        log(f"{name}: time budget reached at step {step}/{total} ({tokens_seen} tokens)", logf)
+        if step % cfgt["ckpt_every"] == 0:
+            save_ckpt(ckpt, model, opt, step, {"wall_s": wall, "hist": hist, "done": False,
+                                               "decay_start": decay_start, "decay_steps": decay_steps})
     torch.set_num_threads(THREADS)
     wall = wall_before + time.time() - t0
     res = {k: fn(model) for k, fn in evals.items()}
     last = [h[1] for h in hist[-50:]]
-    summary = {"steps": step, "planned_steps": total, "stopped_early": stopped_early,
+    summary = {"steps": step, "stable_steps": decay_start, "decay_steps": decay_steps,
                "tokens": tokens_seen, "wall_s": round(wall, 1), "tokens_per_s": round(tokens_seen / wall, 1),
                "final_train_loss_last50": round(float(np.mean(last)), 4),
                **{k: round(v, 4) for k, v in res.items()}}
@@ -799,7 +805,7 @@ def stage_distill(out: Path):
     target, _ = load_trained(out, "target", TARGET_CONFIG)
     gen = torch.Generator().manual_seed(SEED + 7)
     logf = out / "distill_log.txt"
-    chooser = ThreadChooser(4)
+    chooser = ThreadChooser(0)  # fixed thread count: the continuations must replay exactly
     t0 = time.time()
     result = {}
     for split, n in (("train", d["n_train"]), ("heldout", d["n_heldout"])):
@@ -808,7 +814,10 @@ def stage_distill(out: Path):
         starts = rng.integers(0, tokens.size - d["prefix_len"], size=n)
         seqs, top_v, top_i = [], [], []
         for b in range(0, n, d["batch"]):
-            if split == "train" and b and time.time() - t0 > 60 * d["max_minutes"]:
+            over = d["train_limit"] is not None and b >= d["train_limit"] if split == "train" else False
+            if split == "train" and d["train_limit"] is None and b and time.time() - t0 > 60 * d["max_minutes"]:
+                over = True
+            if over:
                 log(f"distill: time budget reached after {b} train sequences", logf)
                 break
             chooser.before(b // d["batch"])
@@ -944,6 +953,14 @@ def stage_export(out: Path, dest: Path = EXPORT_DIR):
             "result": summ,
             "weights_sha256": sha256_bytes((dest / name / "model.safetensors").read_bytes())}
     recipe["distill"] = dict(DISTILL)
+    dist = torch.load(out / "distill.pt") if (out / "distill.pt").exists() else None
+    if dist is not None:
+        recipe["distill"]["train_sequences"] = int(dist["train"]["seq"].shape[0])
+    t, d = recipe["target"]["result"], recipe["draft"]["result"]
+    if dist is not None and t.get("stable_steps") is not None and d.get("stable_steps") is not None:
+        recipe["reproduce"] = (f"python scripts/train_default.py all --target-steps {t['stable_steps']}:"
+                               f"{t['decay_steps']} --distill-train {recipe['distill']['train_sequences']} "
+                               f"--draft-steps {d['stable_steps']}:{d['decay_steps']}")
     dp = out / "distill_log.txt"
     if dp.exists():
         recipe["distill"]["log_tail"] = dp.read_text().strip().splitlines()[-1]
@@ -998,7 +1015,18 @@ def main(argv=None):
                                       "export", "check", "all"])
     ap.add_argument("--out", type=Path, default=Path("/work/train_default"))
     ap.add_argument("--dest", type=Path, default=EXPORT_DIR, help="export directory")
+    ap.add_argument("--target-steps", metavar="S:D", help="replay: stable and decay steps of the target")
+    ap.add_argument("--draft-steps", metavar="S:D", help="replay: stable and decay steps of the draft")
+    ap.add_argument("--distill-train", type=int, metavar="N", help="replay: distillation sequences")
     args = ap.parse_args(argv)
+    for flag, cfg in ((args.target_steps, TARGET_TRAIN), (args.draft_steps, DRAFT_TRAIN)):
+        if flag:
+            try:
+                cfg["stable_steps"], cfg["decay_steps"] = (int(x) for x in flag.split(":"))
+            except ValueError:
+                ap.error(f"expected STABLE:DECAY step counts, got {flag!r}")
+    if args.distill_train is not None:
+        DISTILL["train_limit"] = args.distill_train
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(THREADS)

@@ -106,6 +106,26 @@ def test_prefill_equals_chain_verify_bitwise(ckpt):
     assert (a == b).all()
 
 
+@pytest.mark.parametrize("pending", [0, 5])
+def test_draft_chain_equals_growing_chain_verifies_bitwise(ckpt, pending):
+    eng = sapwood.load(ckpt, weights="q8").engine
+    eng.prefill(prompt(21, seed=9))
+    for t in prompt(pending, seed=10):  # committed one at a time: GDN tokens left unfolded
+        eng.verify([t], [-1])
+        eng.commit([0])
+    rows = eng.draft_chain(7, 9)
+    assert rows.shape == (9, 256) and eng.position == 21 + pending
+    chain = [7] + [int(np.argmax(r)) for r in rows[:-1]]
+    for r in range(9):
+        assert (eng.verify(chain[: r + 1], np.arange(r + 1) - 1)[r] == rows[r]).all()
+    # committed state untouched: decoding on gives what a fresh engine gives
+    eng.verify(chain[:3], [-1, 0, 1])
+    eng.commit([0, 1, 2])
+    fresh = sapwood.load(ckpt, weights="q8").engine
+    fresh.prefill([*prompt(21, seed=9), *prompt(pending, seed=10), *chain[:3]])
+    assert (eng.verify([5], [-1]) == fresh.verify([5], [-1])).all()
+
+
 def test_snapshot_restore_replays_identically(ckpt):
     eng = sapwood.load(ckpt, weights="q8").engine
     eng.prefill(prompt(15, seed=7))
@@ -186,6 +206,13 @@ def test_bad_input_then_usable(ckpt):
         eng.verify([1, 2], [-1, 1])
     with pytest.raises(ValueError, match="differ in length"):
         eng.verify([1, 2], [-1])
+    with pytest.raises(ValueError, match="draft_chain: 5 rows at position 60"):
+        eng.draft_chain(1, 5)
+    with pytest.raises(ValueError, match="draft_chain: 0 rows"):
+        eng.draft_chain(1, 0)
+    with pytest.raises(ValueError, match="token id 300"):
+        eng.draft_chain(300, 2)
+    assert eng.draft_chain(1, 4).shape == (4, 256)
     assert eng.position == 60
     eng.verify([1, 2, 3], [-1, 0, 0])
     eng.commit([0, 2])

@@ -88,8 +88,8 @@ class LookupDrafter:
 
 class ModelDrafter:
     """A smaller model of the same family run by the same runtime. Its committed state follows
-    the target's committed tokens; drafting never changes it (each row is a chain verify from
-    the committed state), so a rejected draft costs nothing to undo."""
+    the target's committed tokens; drafting never changes it (Engine.draft_chain runs the greedy
+    chain and rolls back), so a rejected draft costs nothing to undo."""
 
     def __init__(self, model, top_k: int = 4, temperature: float = 1.0):
         self.model, self.top_k, self.temperature = model, int(top_k), float(temperature)
@@ -118,16 +118,11 @@ class ModelDrafter:
 
     def draft(self, context, root, rows) -> Lattice:
         self.sync(context)
-        room = self.engine.max_context - self.engine.position
-        rows = min(rows, room - 1)
-        lat, chain = Lattice(), [int(root)]
-        for _ in range(max(rows, 0)):
-            logits = self.engine.verify(chain, np.arange(len(chain)) - 1)[-1].astype(np.float64)
-            z = logits / max(self.temperature, 1e-6)
-            z -= z.max()
-            logp = z - np.log(np.exp(z).sum())
-            top = np.argsort(-logp, kind="stable")[: self.top_k]
-            lat.tokens.append(top)
-            lat.logprobs.append(logp[top])
-            chain.append(int(top[0]))
-        return lat
+        rows = min(rows, self.engine.max_context - self.engine.position - 1)
+        if rows <= 0:
+            return Lattice()
+        z = self.engine.draft_chain(int(root), rows).astype(np.float64) / max(self.temperature, 1e-6)
+        z -= z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        top = np.argsort(-logp, axis=1, kind="stable")[:, : self.top_k]  # ties: lower id first
+        return Lattice(tokens=list(top), logprobs=list(np.take_along_axis(logp, top, axis=1)))
