@@ -62,3 +62,16 @@ def test_width_command(ckpt, tmp_path):
     res = json.loads(out.read_text())
     assert [d["depth"] for d in res["depths"]] == [8, 64]
     assert all(len(d["fixed_tokens_per_s"]) == 4 for d in res["depths"])
+
+
+def test_peers_command_interleaves_and_reports_missing_peers(ckpt, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    missing = tmp_path / "absent-q8_0.gguf"
+    assert main(["bench", "peers", "--model", str(ckpt), "--weights", "f32", "--prompt-tokens", "12",
+                 "--new-tokens", "4", "--reps", "2", "--gguf", str(missing), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["blocks"]) == 2 and res["blocks"][1]["order"] == res["blocks"][0]["order"][::-1]
+    assert set(res["peers"]) == {"sapwood-f32", "transformers"}
+    assert res["peers"]["sapwood-f32"]["sapwood-f32_over_this_decode_tok_s"]["median"] == 1.0
+    assert res["not_run"]["llama.cpp-q8_0"].startswith("not run:")  # said, never skipped silently
+    assert "not run" in capsys.readouterr().out

@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     wd.set_defaults(fn=lambda a: _bench("width", a))
     pe = b.add_parser("peers", help="plain decode and prefill against transformers and llama.cpp")
     _add_model_args(pe)
-    pe.add_argument("--gguf", default=None, help="GGUF conversion of the same checkpoint")
+    pe.add_argument("--gguf", nargs="+", default=None,
+                    help="GGUF conversions of the same checkpoint (scripts/convert_gguf.py)")
     pe.add_argument("--prompt-tokens", type=int, default=256)
     pe.add_argument("--new-tokens", type=int, default=64)
     pe.add_argument("--reps", type=int, default=3)
