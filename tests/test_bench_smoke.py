@@ -57,11 +57,13 @@ def test_accepted_by_width_uses_the_prefix_property():
 def test_width_command(ckpt, tmp_path):
     out = tmp_path / "w.json"
     assert main(["bench", "width", "--model", str(ckpt), "--depths", "8", "64",
-                 "--max-width", "4", "--max-tokens", "6", "--drafter", "lookup",
+                 "--max-width", "4", "--max-tokens", "6", "--drafter", "lookup", "--reps", "2",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [d["depth"] for d in res["depths"]] == [8, 64]
     assert all(len(d["fixed_tokens_per_s"]) == 4 for d in res["depths"])
+    assert all(len(s) == 2 for d in res["depths"] for s in d["fixed_tokens_per_s_samples"])
+    assert all(len(v) == 2 for v in res["first_request"].values())
 
 
 def test_peers_command_interleaves_and_reports_missing_peers(ckpt, tmp_path, capsys):

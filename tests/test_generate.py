@@ -282,3 +282,21 @@ def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
     assert (np.diff(big.logp) <= 1e-12).all()
     assert big.depth.max() == 8  # the whole top-1 chain is in the tree
     assert (big.depth[:9] == np.arange(9)).all()
+
+
+def test_first_wide_round_calibrates_the_cost_model(models):
+    """A fresh width rule times the full tree and the root alone before choosing; the full
+    tree's logits then serve the chosen prefix, so the output is still plain decoding's."""
+    target, root = models
+    p = prompt(20, seed=11)
+    off = target.generate(p, max_tokens=24, verify="off").tokens
+    target._width_rule = None
+    rounds = []
+    r = target.generate(p, max_tokens=24, drafter="lookup", verify="auto",
+                        on_round=lambda t, path, s: rounds.append(t.width))
+    assert r.tokens == off
+    cost = target._width_rule.cost
+    assert cost.calibrated(target.engine.position)
+    band = cost._band(len(p))
+    assert 1 in cost._widths[band] and max(cost._widths[band]) > 1
+    assert not CostModel().calibrated(len(p))

@@ -117,19 +117,37 @@ class Decoder:
         return mode
 
     def _build(self, root: int, mode: str, room: int):
+        """This round's tree, whether it is wide, and its logits when they were already
+        computed (a calibration round), else None."""
         rows = min(self.cfg.rows, room - 1)
         if mode == "off" or rows <= 0:
             return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]),
-                              np.zeros(1)), False
+                              np.zeros(1)), False, None
+        t0 = time.perf_counter()
         lattice = self.drafter.draft(self.context, root, rows)
         if mode == "chain":
-            return trees.chain(root, lattice, rows), False
+            return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
         full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance.chance)
         if mode == "tree":
-            return full, True
-        w = self.rule.choose(full, self.engine.position)
-        return full.prefix(w), True
+            return full, True, None
+        ctx = self.engine.position
+        if self.rule.cost.calibrated(ctx) or full.width == 1:
+            return full.prefix(self.rule.choose(full, ctx)), True, None
+        # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
+        # the full tree's logits serve whichever prefix the rule then picks; the root's verify
+        # runs first so that the engine's tape (what commit uses) is the full tree's.
+        t_draft = time.perf_counter() - t0
+        eng, t = self.engine, time.perf_counter()
+        eng.verify(full.tokens[:1], full.parents[:1])
+        t1 = time.perf_counter() - t
+        t = time.perf_counter()
+        logits = eng.verify(full.tokens, full.parents)
+        tw = time.perf_counter() - t
+        self.rule.cost.observe(1, ctx, t_draft + t1)
+        self.rule.cost.observe(full.width, ctx, t_draft + tw)
+        w = self.rule.choose(full, ctx)
+        return full.prefix(w), True, logits[:w]
 
     def run(self, prompt, prefill=None) -> Iterator[int]:
         """Yield emitted tokens (target picks) in order; stops at max_tokens, a stop id or a
@@ -165,8 +183,10 @@ class Decoder:
                     return
                 t_round = time.perf_counter()
                 mode = self._mode()
-                tree, wide = self._build(root, mode, room)
-                logits = eng.verify(tree.tokens, tree.parents)
+                tree, wide, logits = self._build(root, mode, room)
+                calibration = logits is not None
+                if not calibration:
+                    logits = eng.verify(tree.tokens, tree.parents)
                 path, picks = self._walk(tree, logits)
                 eng.commit(path)
                 committed = [int(tree.tokens[n]) for n in path]
@@ -181,7 +201,9 @@ class Decoder:
                 if mode != "off":
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
-                    if not first_round:  # the first round after prefill pays warm-up costs
+                    # the first round after prefill pays warm-up costs; a calibration round
+                    # has fed its own timings
+                    if not first_round and not calibration:
                         self.rule.cost.observe(tree.width, eng.position - len(path),
                                                time.perf_counter() - t_round)
                 first_round = False

@@ -10,7 +10,11 @@ where a(rank, depth) is the calibrated chance that the target picks a candidate 
 at that depth given its parent was reached (Beta counts over every verified node whose parent
 was on the committed path), and t is a cost model of a whole round, linear in features
 [1, w, ctx, w*ctx], fitted by recursive least squares from every round (not one timing per
-width), seeded from a prior and kept per context band across requests.
+width), seeded from a prior and kept per context band across requests. The first wide round in a
+band the model has not seen is a calibration round: the decoder times the full tree and the root
+alone (the full tree's logits serve every prefix, so only the root's verify is extra) and feeds
+both to the fit before choosing, so even a fresh process's first request starts from measured
+costs rather than the prior.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class CostModel:
         self.P0 = np.diag((rel_uncertainty * self.theta0) ** 2)
         self.noise, self.forget = noise ** 2, forget
         self._fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._widths: dict[int, set] = {}  # widths observed per band
         self.samples = 0
 
     @staticmethod
@@ -72,6 +77,11 @@ class CostModel:
         if b not in self._fits:
             self._fits[b] = (self.theta0.copy(), self.P0.copy())
         return b
+
+    def calibrated(self, ctx) -> bool:
+        """Has the band of ctx seen rounds of two widths or more (enough to separate intercept
+        and slope)? If not, the decoder measures a calibration round first."""
+        return len(self._widths.get(self._band(ctx), ())) >= 2
 
     def predict(self, w, ctx) -> float:
         theta, _ = self._fits[self._band(ctx)]
@@ -86,6 +96,7 @@ class CostModel:
         theta = theta + k * (seconds / self.unit - x @ theta)
         P = (P - np.outer(k, Px)) / self.forget
         self._fits[b] = (theta, P)
+        self._widths.setdefault(b, set()).add(int(w))
         self.samples += 1
 
 

@@ -42,7 +42,7 @@ def accepted_by_width(tree, path, max_width) -> np.ndarray:
     return acc
 
 
-def study_depth(model, ids, max_width, max_tokens, drafter, temperature, log):
+def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, log):
     gen = dict(max_tokens=max_tokens, temperature=temperature, drafter=drafter, cache_prompt=True)
     res = {"depth": len(ids)}
     # 1. Rounds at the widest tree: per-round acceptance of every prefix width.
@@ -51,29 +51,38 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, log):
                    on_round=lambda t, p, s: accs.append(accepted_by_width(t, p, max_width)))
     acc = np.mean(accs, axis=0) if accs else np.zeros(max_width)
     res["derived_tokens_per_round"] = (1 + acc).tolist()
-    # 2. Forced widths, timed: tokens/s of each fixed width (decode only: prompt cached).
-    tps, round_s = [], []
-    for w in range(1, max_width + 1):
-        times = []
-        r = model.generate(ids, verify="tree", width=w, **gen,
-                           on_round=lambda t, p, s: times.append(s))
-        tps.append(r.stats.decode_tokens_per_s)
-        round_s.append(float(np.median(times)) if times else float("nan"))
-    res["fixed_tokens_per_s"] = tps
-    res["round_ms"] = [1e3 * x for x in round_s]
-    res["derived_tokens_per_s"] = [(1 + a) / s for a, s in zip(acc, round_s)]
-    best = int(np.argmax(tps))
-    res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, tps[best]
-    # 3. The width rule (auto), after the forced runs taught it costs and acceptance.
+    # 2. Forced widths and the rule, timed (decode only: prompt cached), `reps` passes over all
+    #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike. The
+    #    rule runs after the forced widths taught it costs and acceptance.
+    arms = list(range(1, max_width + 1)) + ["rule"]
+    tps = {arm: [] for arm in arms}
+    round_s = {w: [] for w in arms[:-1]}
     rule_widths = []
-    r = model.generate(ids, verify="auto", width=max_width, **gen,
-                       on_round=lambda t, p, s: rule_widths.append(t.width))
-    res["rule_tokens_per_s"] = r.stats.decode_tokens_per_s
-    res["rule_ratio"] = res["rule_tokens_per_s"] / res["best_fixed_tokens_per_s"]
+    for rep in range(reps):
+        for arm in (arms if rep % 2 == 0 else arms[::-1]):
+            if arm == "rule":
+                r = model.generate(ids, verify="auto", width=max_width, **gen,
+                                   on_round=lambda t, p, s: rule_widths.append(t.width))
+            else:
+                r = model.generate(ids, verify="tree", width=arm, **gen,
+                                   on_round=lambda t, p, s, w=arm: round_s[w].append(s))
+            tps[arm].append(r.stats.decode_tokens_per_s)
+    med = {arm: float(np.median(x)) for arm, x in tps.items()}
+    res["fixed_tokens_per_s"] = [med[w] for w in arms[:-1]]
+    res["fixed_tokens_per_s_samples"] = [tps[w] for w in arms[:-1]]
+    res["round_ms"] = [1e3 * float(np.median(round_s[w])) for w in arms[:-1]]
+    res["derived_tokens_per_s"] = [(1 + a) / (ms / 1e3) for a, ms in zip(acc, res["round_ms"])]
+    best = int(np.argmax(res["fixed_tokens_per_s"]))
+    res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, med[best + 1]
+    res["rule_tokens_per_s"], res["rule_tokens_per_s_samples"] = med["rule"], tps["rule"]
+    res["rule_ratio"] = med["rule"] / med[best + 1]
+    paired = [r / b for r, b in zip(tps["rule"], tps[best + 1])]
+    res["rule_ratio_paired"] = {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}
     res["rule_widths"] = rule_widths
-    log(f"depth {len(ids):>6}: best fixed w={best + 1} {tps[best]:.1f} tok/s; rule "
-        f"{res['rule_tokens_per_s']:.1f} tok/s (x{res['rule_ratio']:.3f}); mean rule width "
-        f"{np.mean(rule_widths) if rule_widths else 0:.1f}")
+    log(f"depth {len(ids):>6}: best fixed w={best + 1} {med[best + 1]:.1f} tok/s; rule "
+        f"{med['rule']:.1f} tok/s (x{res['rule_ratio']:.3f}, paired per pass "
+        f"{res['rule_ratio_paired']['median']:.3f} [{min(paired):.3f}, {max(paired):.3f}]); "
+        f"mean rule width {np.mean(rule_widths) if rule_widths else 0:.1f}")
     return res
 
 
@@ -109,19 +118,25 @@ def main(a) -> int:
     if len(all_ids) < max(a.depths):
         raise ValueError(f"only {len(all_ids)} context tokens available")
     out = {"revision": source_revision(), "model": model_identity(model), "machine": machine(),
-           "max_width": a.max_width, "max_tokens": a.max_tokens, "first_request": {}, "depths": []}
+           "max_width": a.max_width, "max_tokens": a.max_tokens, "reps": a.reps,
+           "first_request": {}, "depths": []}
     prompt_of = {d: all_ids[:max(d, 1)] for d in a.depths}
-    # The first request of a fresh process: the rule runs on its priors alone.
+    # The first request of a fresh process: the rule starts from its priors (no cost or
+    # acceptance history), `reps` times per depth, each with a fresh rule.
     for d in a.depths:
-        model._width_rule = None
-        r = model.generate(prompt_of[d], verify="auto", width=a.max_width, max_tokens=a.max_tokens,
-                           drafter=a.drafter, temperature=a.temperature, cache_prompt=True)
-        out["first_request"][d] = r.stats.decode_tokens_per_s
+        out["first_request"][d] = []
+        for _ in range(a.reps):
+            model._width_rule = None
+            r = model.generate(prompt_of[d], verify="auto", width=a.max_width, max_tokens=a.max_tokens,
+                               drafter=a.drafter, temperature=a.temperature, cache_prompt=True)
+            out["first_request"][d].append(r.stats.decode_tokens_per_s)
     model._width_rule = None
     for d in a.depths:
-        res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature, print)
-        res["first_request_rule_tokens_per_s"] = out["first_request"][d]
-        res["first_request_ratio"] = out["first_request"][d] / res["best_fixed_tokens_per_s"]
+        res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature,
+                          a.reps, print)
+        first = float(np.median(out["first_request"][d]))
+        res["first_request_rule_tokens_per_s"] = first
+        res["first_request_ratio"] = first / res["best_fixed_tokens_per_s"]
         out["depths"].append(res)
     print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio")
     for r in out["depths"]:
