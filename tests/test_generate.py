@@ -300,3 +300,16 @@ def test_first_wide_round_calibrates_the_cost_model(models):
     band = cost._band(len(p))
     assert 1 in cost._widths[band] and max(cost._widths[band]) > 1
     assert not CostModel().calibrated(len(p))
+
+
+def test_width_rule_prefers_a_confident_chain_over_a_bushy_tree():
+    """With acceptance high along rank 0 at every depth, the drafter's deep chain beats every
+    prefix of a tree that spends its width on siblings near the root."""
+    rule = simulated_rule(lambda w, c: 0.010 + 0.001 * w, [0.95, 0.3, 0.2, 0.1], ctx=64)
+    lat = Lattice(tokens=[np.arange(4) + 10 * r for r in range(8)],
+                  logprobs=[np.log([0.3, 0.29, 0.28, 0.13])] * 8)
+    bushy = grow(1, lat, 16)  # by draft probabilities: siblings first
+    assert bushy.depth.max() < 8
+    best = rule.choose_tree([bushy, chain(1, lat, 8)], ctx=64)
+    assert best.is_chain and best.width == 9
+    assert not bushy.is_chain

@@ -133,7 +133,10 @@ class Decoder:
             return full, True, None
         ctx = self.engine.position
         if self.rule.cost.calibrated(ctx) or full.width == 1:
-            return full.prefix(self.rule.choose(full, ctx)), True, None
+            # the drafter's chain competes too: a confident drafter's deep chain can beat every
+            # prefix of the best-first tree
+            tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx)
+            return tree, not tree.is_chain, None
         # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
         # the full tree's logits serve whichever prefix the rule then picks; the root's verify
         # runs first so that the engine's tape (what commit uses) is the full tree's.

@@ -139,8 +139,18 @@ class WidthRule:
     cost: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
 
+    def rate(self, tree: Tree, ctx: int) -> np.ndarray:
+        """Expected committed tokens per second of every prefix w = 1..tree.width."""
+        e = self.acceptance.expected_tokens(tree)
+        return e / np.array([self.cost.predict(w, ctx) for w in range(1, tree.width + 1)])
+
     def choose(self, tree: Tree, ctx: int) -> int:
         """Best width for this round's candidate tree (built at max width) at context ctx."""
-        e = self.acceptance.expected_tokens(tree)
-        t = np.array([self.cost.predict(w, ctx) for w in range(1, tree.width + 1)])
-        return int(np.argmax(e / t)) + 1
+        return int(np.argmax(self.rate(tree, ctx))) + 1
+
+    def choose_tree(self, candidates, ctx: int) -> Tree:
+        """The best prefix of any candidate tree (e.g. the best-first tree and the drafter's
+        chain), by the same expected tokens per second."""
+        rates = [self.rate(t, ctx) for t in candidates]
+        k = int(np.argmax([r.max() for r in rates]))
+        return candidates[k].prefix(int(np.argmax(rates[k])) + 1)

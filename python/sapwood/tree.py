@@ -28,6 +28,10 @@ class Tree:
     def width(self) -> int:
         return int(self.tokens.size)
 
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == np.arange(self.width) - 1).all())
+
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
         hit = np.nonzero((self.parents == node) & (self.tokens == token))[0]
