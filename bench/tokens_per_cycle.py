@@ -1,21 +1,63 @@
-"""Tokens per cycle and decode tok/s on the held-out prompts for the bundled pair, for every
-verify mode and drafter, greedy and T=0.8:  python bench/tokens_per_cycle.py [max_tokens]"""
-import json, sys, time, statistics
-import sapwood
+"""Committed tokens per cycle and decode tokens/s of the bundled pair on the frozen held-out
+prompts, for every verify mode and drafter, greedy and at T=0.8.
+
+    python bench/tokens_per_cycle.py [--max-tokens 64] [--out tokens_per_cycle.json]
+
+Tokens per cycle is deterministic (the output is plain decoding's in every mode; checked here on
+every prompt). Speeds are side by side: for each prompt all arms run back to back, in forward
+order on even prompts and reversed on odd ones, and each arm's speed is the median over prompts.
+"""
+import argparse
+import json
+import statistics
 from pathlib import Path
-prompts = json.loads(Path(sapwood.__file__).with_name("benchmarks").joinpath("heldout_prompts.json").read_text())["prompts"]
-m = sapwood.load("default", max_context=2048)
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 64
-rows = []
-for temp in [0.0, 0.8]:
-    for drafter in ["default", "lookup"]:
-        for verify in ["off", "chain", "auto", "tree"]:
-            if verify == "off" and drafter == "lookup":
-                continue
-            tpc, tps, wide, toks = [], [], [], []
-            for p in prompts:
-                r = m.generate(p["text"], max_tokens=N, temperature=temp, seed=1, drafter=drafter, verify=verify, width=16 if verify=="tree" else None)
-                tpc.append(r.stats.tokens_per_cycle); tps.append(r.stats.decode_tokens_per_s); wide.append(r.stats.wide_cycles / max(1, r.stats.cycles))
-            rows.append(dict(temperature=temp, drafter=drafter if verify != "off" else "-", verify=verify, tokens_per_cycle=statistics.mean(tpc), decode_tok_s_median=statistics.median(tps), wide_fraction=statistics.mean(wide)))
-            print(rows[-1], flush=True)
-json.dump(rows, open("tokens_per_cycle.json", "w"), indent=1)
+
+import sapwood
+from sapwood.benchmarks.common import dump_json, machine, model_identity, source_revision
+
+ARMS = [("off", None), ("chain", "default"), ("auto", "default"), ("tree", "default"),
+        ("chain", "lookup"), ("auto", "lookup"), ("tree", "lookup")]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="tokens_per_cycle.json")
+    a = ap.parse_args()
+    prompts = json.loads(Path(sapwood.__file__).with_name("benchmarks")
+                         .joinpath("heldout_prompts.json").read_text())["prompts"]
+    m = sapwood.load("default", max_context=2048)
+    out = {"revision": source_revision(), "model": model_identity(m), "machine": machine(),
+           "max_tokens": a.max_tokens, "prompts": len(prompts), "rows": []}
+    for temp in (0.0, 0.8):
+        per_arm = {arm: {"tpc": [], "tps": [], "wide": []} for arm in ARMS}
+        for i, p in enumerate(prompts):
+            ref = None
+            for verify, drafter in (ARMS if i % 2 == 0 else ARMS[::-1]):
+                r = m.generate(p["text"], max_tokens=a.max_tokens, temperature=temp, seed=1,
+                               drafter=drafter, verify=verify, width=16 if verify == "tree" else None)
+                ref = ref or r.tokens
+                if r.tokens != ref:
+                    raise AssertionError(f"{p['id']}: {verify}/{drafter} differs from the first arm")
+                d = per_arm[(verify, drafter)]
+                d["tpc"].append(r.stats.tokens_per_cycle)
+                d["tps"].append(r.stats.decode_tokens_per_s)
+                d["wide"].append(r.stats.wide_cycles / max(1, r.stats.cycles))
+        off = statistics.median(per_arm[("off", None)]["tps"])
+        for (verify, drafter), d in per_arm.items():
+            row = {"temperature": temp, "verify": verify, "drafter": drafter or "-",
+                   "tokens_per_cycle": statistics.mean(d["tpc"]),
+                   "decode_tok_s_median": statistics.median(d["tps"]),
+                   "decode_tok_s_range": [min(d["tps"]), max(d["tps"])],
+                   "vs_off": statistics.median(d["tps"]) / off,
+                   "wide_fraction": statistics.mean(d["wide"])}
+            out["rows"].append(row)
+            print(f"T={temp:.1f} {verify:>5} {row['drafter']:>8}  tokens/cycle {row['tokens_per_cycle']:5.2f}  "
+                  f"decode {row['decode_tok_s_median']:7.1f} tok/s [{row['decode_tok_s_range'][0]:.0f}, "
+                  f"{row['decode_tok_s_range'][1]:.0f}]  x{row['vs_off']:.2f} vs off  "
+                  f"wide {row['wide_fraction']:.2f}", flush=True)
+    print(f"raw JSON {a.out} sha256 {dump_json(out, a.out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -65,8 +65,11 @@ class _LlamaCpp:
 
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(prompt_ids) + new_tokens + 64,
                                    n_threads=threads, n_threads_batch=threads, n_batch=512,
-                                   logits_all=False, verbose=False)
+                                   verbose=False)
         self.prompt, self.new = prompt_ids, new_tokens
+        # Llama.scores is not filled without logits_all; read the last row from the context
+        v = self.llm.n_vocab()
+        self.last = lambda: np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(v,))
         self.info = {"gguf": str(gguf), "gguf_sha256": file_sha256(gguf), "threads": threads,
                      "version": llama_cpp.__version__}
 
@@ -79,10 +82,10 @@ class _LlamaCpp:
         toks = []
         t = time.perf_counter()
         for _ in range(self.new - 1):
-            toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            toks.append(int(np.argmax(self.last())))
             llm.eval([toks[-1]])
         t_dec = time.perf_counter() - t
-        toks.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        toks.append(int(np.argmax(self.last())))
         return len(self.prompt) / t_pre, (self.new - 1) / t_dec, toks
 
 
