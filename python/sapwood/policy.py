@@ -84,8 +84,15 @@ class CostModel:
         return len(self._widths.get(self._band(ctx), ())) >= 2
 
     def predict(self, w, ctx) -> float:
+        return float(self.predict_widths(np.array([w]), ctx)[0])
+
+    def predict_widths(self, ws, ctx) -> np.ndarray:
+        """predict() for an array of widths at one context, in one product."""
         theta, _ = self._fits[self._band(ctx)]
-        return max(float(self._phi(w, ctx) @ theta) * self.unit, 1e-7)
+        ws = np.asarray(ws, np.float64)
+        c = ctx / 4096.0
+        phi = np.stack([np.ones_like(ws), ws, np.full_like(ws, c), ws * c], axis=1)
+        return np.maximum(phi @ theta * self.unit, 1e-7)
 
     def observe(self, w, ctx, seconds) -> None:
         b = self._band(ctx)
@@ -127,9 +134,11 @@ class AcceptanceModel:
 
     def expected_tokens(self, tree: Tree) -> np.ndarray:
         """E(w) for every prefix w = 1..tree.width (the prefix property makes this a cumsum)."""
-        reach = np.ones(tree.width)
+        ch = self.chance(tree.rank[1:], tree.depth[1:]).tolist()  # one vectorised lookup
+        parents = tree.parents.tolist()
+        reach = [1.0]
         for i in range(1, tree.width):
-            reach[i] = reach[tree.parents[i]] * self.chance(tree.rank[i], tree.depth[i])
+            reach.append(reach[parents[i]] * ch[i - 1])
         return np.cumsum(reach)
 
 
@@ -142,7 +151,7 @@ class WidthRule:
     def rate(self, tree: Tree, ctx: int) -> np.ndarray:
         """Expected committed tokens per second of every prefix w = 1..tree.width."""
         e = self.acceptance.expected_tokens(tree)
-        return e / np.array([self.cost.predict(w, ctx) for w in range(1, tree.width + 1)])
+        return e / self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
 
     def choose(self, tree: Tree, ctx: int) -> int:
         """Best width for this round's candidate tree (built at max width) at context ctx."""

@@ -45,7 +45,7 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
 
     A node's chance is its parent's times its candidate's probability: the drafter's, or, when
-    `chance(rank, depth)` is given, the calibrated probability that the target accepts a
+    `chance(ranks, depths)` is given (arrays in, array out), the calibrated probability that the target accepts a
     candidate of that rank at that depth (made non-increasing in rank, so siblings still pop in
     rank order). Calibrated chances keep a confident drafter's chain deep instead of spending
     the width on unlikely siblings near the root.
@@ -60,8 +60,8 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     cal = {}
     if chance is not None:
         for row in range(lattice.rows):
-            c = np.minimum.accumulate(
-                np.asarray([chance(r, row + 1) for r in range(len(lattice.tokens[row]))], float))
+            k = len(lattice.tokens[row])
+            c = np.minimum.accumulate(np.asarray(chance(np.arange(k), np.full(k, row + 1)), float))
             cal[row] = np.log(np.maximum(c, 1e-12))
 
     def push(parent: int, row: int, rank: int):
