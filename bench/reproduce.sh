@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The commands behind bench/results/ (run from the repository root on a quiet machine; each
+# prints its table and the SHA-256 of the raw JSON it writes). LLAMA_CPP: a llama.cpp source
+# tree matching the installed llama-cpp-python (README, "llama.cpp as a peer"); without it the
+# peers report says llama.cpp was not run.
+set -euo pipefail
+R=bench/results
+mkdir -p $R
+python bench/tokens_per_cycle.py --max-tokens 64 --out $R/tokens_per_cycle.json | tee $R/tokens_per_cycle.txt
+sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 3 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
+sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
+GGUF=()
+if [ -n "${LLAMA_CPP:-}" ]; then
+  for t in q8_0 f32; do
+    python scripts/convert_gguf.py python/sapwood/data/default/target "$LLAMA_CPP" --outtype $t \
+      --outfile /tmp/sapwood-default-$t.gguf > /dev/null 2>&1
+    GGUF+=(/tmp/sapwood-default-$t.gguf)
+  done
+fi
+sapwood bench peers --reps 6 ${GGUF[@]:+--gguf "${GGUF[@]}"} --out $R/peers.json | tee $R/peers.txt
+sapwood bench width --depths 0 2048 8192 32768 --reps 3 --out $R/width.json | tee $R/width.txt
