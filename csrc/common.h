@@ -38,8 +38,17 @@ inline float rint_small(float x) {
 // The one symmetric quantizer (KV groups, q8/q4 weights, int8 activations):
 // scale = amax / qmax, q = clamp(rint(x / scale), -qmax, qmax), scale 0 -> q = 0.
 inline float quantize_block(const float* x, int n, float qmax, int8_t* q) {
-  float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = max_f(amax, x[i] < 0 ? -x[i] : x[i]);
+  // amax over the bit patterns with the sign cleared: for finite floats the integer order is
+  // the float order, and an integer max reduction vectorises where the float one does not.
+  uint32_t abits = 0;
+  for (int i = 0; i < n; ++i) {
+    uint32_t b;
+    __builtin_memcpy(&b, x + i, 4);
+    b &= 0x7fffffffu;
+    abits = b > abits ? b : abits;
+  }
+  float amax;
+  __builtin_memcpy(&amax, &abits, 4);
   const float s = amax / qmax;
   for (int i = 0; i < n; ++i) q[i] = s == 0.0f ? 0 : int8_t(clamp_f(rint_small(x[i] / s), -qmax, qmax));
   return s;

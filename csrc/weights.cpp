@@ -28,7 +28,7 @@ static int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   fmt = f, rows = r, cols = c;
-  f32.clear(), bf16.clear(), q8.clear(), q4.clear(), scale.clear();
+  f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
   if (f == WFormat::F32 || f == WFormat::BF16) {
     const int rb = round_up(r, kOutBlock);
     std::vector<float> packed(size_t(rb) * c, 0.0f);
@@ -45,8 +45,11 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
     cols_pad = round_up(c, 32);
     q8.assign(size_t(r) * cols_pad, 0);
     scale.resize(r);
-    for (int o = 0; o < r; ++o)
+    q8_sum.assign(r, 0);
+    for (int o = 0; o < r; ++o) {
       scale[o] = quantize_block(w + size_t(o) * c, c, 127.0f, q8.data() + size_t(o) * cols_pad);
+      for (int k = 0; k < c; ++k) q8_sum[o] += q8[size_t(o) * cols_pad + k];
+    }
   } else {
     cols_pad = round_up(c, kQ4Group);
     const int groups = cols_pad / kQ4Group;
@@ -67,7 +70,7 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
 }
 
 size_t QMatrix::bytes() const {
-  return f32.size() * 4 + bf16.size() * 2 + q8.size() + q4.size() + scale.size() * 4;
+  return f32.size() * 4 + bf16.size() * 2 + q8.size() + q8_sum.size() * 4 + q4.size() + scale.size() * 4;
 }
 
 void QMatrix::dequant_row(int o, float* out) const {

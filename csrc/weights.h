@@ -29,6 +29,7 @@ struct QMatrix {
   std::vector<float> f32;
   std::vector<uint16_t> bf16;
   std::vector<int8_t> q8;
+  std::vector<int32_t> q8_sum;      // Q8: each row's sum of int8 weights (unsigned-x dot kernels)
   std::vector<uint8_t> q4;
   std::vector<float> scale;
 

@@ -21,7 +21,7 @@ const KernelTable* kernels_by_name(const char* name) {
     return &kernels_avx2;
   if (!std::strcmp(name, "avx512") && __builtin_cpu_supports("avx512f") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
     return &kernels_avx512;
 #endif
   return nullptr;
