@@ -125,6 +125,9 @@ PYBIND11_MODULE(_core, m) {
     set_kernels(t);
   });
   m.def("set_num_threads", &set_default_threads);
+  m.def("min_parallel_work", &min_parallel_work,
+        "Regions with less work than this (multiply-adds) run on one thread.");
+  m.def("set_min_parallel_work", &set_min_parallel_work, py::arg("work"));
   m.def("read_bandwidth", [](size_t nbytes, int threads, int repeats) {
     // Bytes/s of a parallel streaming read (sum of uint64 words): the memory floor benchmarks
     // compare against. Best of `repeats` after one warm pass.

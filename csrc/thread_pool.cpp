@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -18,11 +19,25 @@
 namespace sapwood {
 namespace {
 
-// Workers and the caller spin for a short while (~0.1 ms) before sleeping: a decode step
-// issues dozens of small parallel regions, and waking sleeping threads through the kernel for
-// each costs more than the work. Past that they block, so a loaded machine (more runnable
-// threads than cores) is not made worse by busy-waiting.
-constexpr int kSpinIters = 4000;
+// Workers and the caller spin for a while (kSpin) before sleeping: a decode step issues dozens
+// of parallel regions with serial work between them, and waking a sleeping thread through the
+// kernel costs tens of microseconds in a VM, more than most regions' work. The spin is timed,
+// not counted, because the cost of `pause` varies tenfold between CPUs. Past it they block, so
+// an idle engine or a loaded machine (more runnable threads than cores) is not made worse.
+constexpr auto kSpin = std::chrono::microseconds(500);
+
+// Spins until ready() or kSpin has passed; returns ready().
+template <class Ready>
+bool spin_until(Ready ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (ready()) return true;
+      SW_PAUSE();
+    }
+    if (std::chrono::steady_clock::now() >= until) return ready();
+  }
+}
 
 class Pool {
  public:
@@ -55,8 +70,7 @@ class Pool {
     }
     if (sleepers_.load() > 0) cv_.notify_all();
     work();
-    for (int spins = 0; remaining_.load() > 0 && spins < kSpinIters; ++spins) SW_PAUSE();
-    if (remaining_.load() > 0) {
+    if (!spin_until([&] { return remaining_.load() == 0; })) {
       std::unique_lock<std::mutex> lk(mu_);
       done_cv_.wait(lk, [&] { return remaining_.load() == 0; });
     }
@@ -78,11 +92,7 @@ class Pool {
   void loop(int index) {
     uint64_t seen = 0;  // the generation at construction: a region may start before we run
     for (;;) {
-      bool go = false;
-      for (int s = 0; s < kSpinIters && !go; ++s) {
-        if (generation_.load() != seen) go = true; else SW_PAUSE();
-      }
-      if (!go) {
+      if (!spin_until([&] { return generation_.load() != seen; })) {
         std::unique_lock<std::mutex> lk(mu_);
         sleepers_.fetch_add(1);
         cv_.wait(lk, [&] { return generation_.load() != seen; });
@@ -112,6 +122,7 @@ class Pool {
 };
 
 std::atomic<int> g_default_threads{0};
+std::atomic<long long> g_min_parallel_work{1LL << 20};
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
@@ -128,6 +139,9 @@ int default_threads() {
 }
 
 void set_default_threads(int threads) { g_default_threads.store(threads > 0 ? threads : 0); }
+
+long long min_parallel_work() { return g_min_parallel_work.load(std::memory_order_relaxed); }
+void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 ? 0 : work); }
 
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   if (n <= 0) return;

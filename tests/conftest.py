@@ -1,7 +1,18 @@
 import numpy as np
 import pytest
 
+from sapwood import _core
 from util import ISAS, isa
+
+
+@pytest.fixture(autouse=True, scope="session")
+def parallel_regions_everywhere():
+    """Test-sized problems fall below the engine's minimum work for a parallel region; lift it
+    so thread-count tests run the multi-threaded paths (results never depend on it)."""
+    old = _core.min_parallel_work()
+    _core.set_min_parallel_work(0)
+    yield
+    _core.set_min_parallel_work(old)
 
 
 @pytest.fixture(params=ISAS)
