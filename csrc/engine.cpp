@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
@@ -116,8 +117,48 @@ void Engine::commit(const std::vector<int>& path) {
   tape_parents_.clear();
 }
 
-std::vector<float> Engine::draft_chain(int root, int rows) {
+namespace {
+
+// SplitMix64's finaliser, as sampling.mix64.
+uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The draft's pick from one row of logits: argmax, or the keyed Gumbel-max sample among the
+// `top` best ids (as sampling.sample without filters; the tail beyond `top` is left out, which
+// only matters for proposals, never for what is emitted).
+int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint64_t position,
+               int top) {
+  if (temperature <= 0.0) return int(std::max_element(row, row + V) - row);  // first max
+  std::vector<int> ids(V);
+  for (int i = 0; i < V; ++i) ids[i] = i;
+  top = std::min(top, V);
+  std::nth_element(ids.begin(), ids.begin() + (top - 1), ids.end(), [&](int a, int b) {
+    return row[a] > row[b] || (row[a] == row[b] && a < b);
+  });
+  const uint64_t key = mix64(mix64(seed) ^ position);
+  const double m = *std::max_element(row, row + V);
+  int pick = ids[0];
+  double best = -INFINITY;
+  for (int i = 0; i < top; ++i) {
+    const int id = ids[i];
+    const double u = (double(mix64(key ^ uint64_t(id)) >> 11) + 0.5) * 0x1p-53;
+    const double score = (double(row[id]) - m) / temperature - std::log(-std::log(u));
+    if (score > best || (score == best && id < pick)) best = score, pick = id;
+  }
+  return pick;
+}
+
+}  // namespace
+
+std::vector<float> Engine::draft_chain(int root, int rows, double temperature, uint64_t seed,
+                                       std::vector<int>* chain) {
   check_tokens({root});
+  SW_CHECK(std::isfinite(temperature) && temperature >= 0.0, "draft_chain: temperature must be "
+           "finite and >= 0, got ", temperature);
   const int P = position(), V = dims_.vocab;
   SW_CHECK(rows >= 1 && P + rows <= max_context_, "draft_chain: ", rows, " rows at position ", P,
            " (max_context ", max_context_, ")");
@@ -132,7 +173,8 @@ std::vector<float> Engine::draft_chain(int root, int rows) {
     for (int r = 0; r < rows; ++r) {
       const std::vector<float> row = prefill_chunks({tok}, false, P + r);
       std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
-      tok = int(std::max_element(row.begin(), row.end()) - row.begin());  // first max = lower id
+      tok = draft_pick(row.data(), V, temperature, seed, uint64_t(P + r + 1), kDraftSampleTop);
+      if (chain) chain->push_back(tok);
     }
   } catch (...) {
     gdn_ = saved;

@@ -24,10 +24,15 @@ class Engine {
   // Score a tree (node 0 = root at position P); committed state unchanged. [N][V].
   std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
   void commit(const std::vector<int>& path);
-  // Greedy self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is the
-  // argmax of row r (ties: lower id). Row r equals verify(chain[0..r])[r] bitwise; committed
-  // state unchanged. One call instead of `rows` chain verifies of growing length.
-  std::vector<float> draft_chain(int root, int rows);
+  // Self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is picked from
+  // row r: its argmax (ties: lower id) at temperature 0, else the keyed Gumbel-max sample of
+  // the sampler (DESIGN.md: noise keyed by (seed, position, id)) among the row's
+  // kDraftSampleTop best ids, so a draft close to the target proposes the target's own sample.
+  // Row r equals verify(chain[0..r])[r] bitwise; committed state unchanged. One call instead
+  // of `rows` chain verifies of growing length. `chain` (if given) receives a1..a(rows).
+  std::vector<float> draft_chain(int root, int rows, double temperature = 0.0, uint64_t seed = 0,
+                                 std::vector<int>* chain = nullptr);
+  static constexpr int kDraftSampleTop = 256;  // the tail past it has almost no mass
   void reset();
   // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
   // state left as it is) without paying for their prefill. Not a model computation.

@@ -126,6 +126,37 @@ def test_draft_chain_equals_growing_chain_verifies_bitwise(ckpt, pending):
     assert (eng.verify([5], [-1]) == fresh.verify([5], [-1])).all()
 
 
+def test_sampled_draft_chain_follows_the_keyed_sampler(ckpt):
+    """At temperature > 0 the chain's pick from each row is the keyed Gumbel-max sample among
+    the row's best kDraftSampleTop (256) ids (here all of them), and each row still equals the
+    chain's verify."""
+    from sapwood.sampling import keyed_uniform
+
+    eng = sapwood.load(ckpt, weights="q8").engine
+    eng.prefill(prompt(13, seed=3))
+    T, seed, rows = 0.8, 77, 6
+    z = eng.draft_chain(7, rows, temperature=T, seed=seed)
+    ids, logp = eng.draft_candidates(7, rows, 5, temperature=T, seed=seed)
+    chain = [7]
+    for r in range(rows):
+        x = z[r].astype(np.float64)
+        score = (x - x.max()) / T - np.log(-np.log(keyed_uniform(seed, 13 + r + 1, np.arange(256))))
+        best = int(np.argmax(score))
+        assert ids[r, 0] == best
+        chain.append(int(best))
+        # then the most likely others, and log-probabilities of the row (float64 sums of exp:
+        # order-dependent rounding only, hence 1e-12)
+        others = [t for t in np.argsort(-x, kind="stable") if t != best][:4]
+        assert ids[r, 1:].tolist() == others
+        lse = x.max() + np.log(np.exp(x - x.max()).sum())
+        np.testing.assert_allclose(logp[r], x[ids[r]] - lse, rtol=0, atol=1e-12)
+    for r in range(rows):
+        assert (eng.verify(chain[: r + 1], np.arange(r + 1) - 1)[r] == z[r]).all()
+    assert eng.position == 13
+    greedy = eng.draft_candidates(7, rows, 1)[0][:, 0]
+    assert greedy.tolist() == [int(np.argmax(r)) for r in eng.draft_chain(7, rows)]
+
+
 def test_snapshot_restore_replays_identically(ckpt):
     eng = sapwood.load(ckpt, weights="q8").engine
     eng.prefill(prompt(15, seed=7))
@@ -212,6 +243,12 @@ def test_bad_input_then_usable(ckpt):
         eng.draft_chain(1, 0)
     with pytest.raises(ValueError, match="token id 300"):
         eng.draft_chain(300, 2)
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0, got -0.5"):
+        eng.draft_chain(1, 2, temperature=-0.5)
+    with pytest.raises(ValueError, match="draft_candidates: k must be >= 1, got 0"):
+        eng.draft_candidates(1, 2, 0)
+    with pytest.raises(ValueError, match="draft_chain: 0 rows"):
+        eng.draft_candidates(1, 0, 4)
     assert eng.draft_chain(1, 4).shape == (4, 256)
     assert eng.position == 60
     eng.verify([1, 2, 3], [-1, 0, 0])

@@ -79,6 +79,22 @@ def test_stop_ids_and_max_tokens(models):
         assert r.tokens == full[:n] and r.finish_reason == "length"
 
 
+def test_sampled_drafts_follow_the_target_sample(models):
+    """A draft that is the target itself proposes, when sampling, the target's own keyed sample
+    (the chain follows the sampler's noise): nearly every row is accepted. A greedy chain at
+    the same temperature is accepted far less often, so this fails if the coupling is lost."""
+    target, root = models
+    p = prompt(12, seed=4)
+    kw = dict(max_tokens=60, temperature=0.8, seed=9, verify="chain")
+    coupled = target.generate(p, drafter=str(root / "target"), **kw)
+    assert coupled.stats.tokens_per_cycle >= 0.9 * 9  # 8 rows + the root's pick
+    greedy = target.resolve_drafter(str(root / "target"))
+    greedy.set_sampling = lambda temperature, seed: None  # stays greedy
+    plain = target.generate(p, drafter=greedy, **kw)
+    assert plain.tokens == coupled.tokens
+    assert plain.stats.tokens_per_cycle < 0.6 * coupled.stats.tokens_per_cycle
+
+
 def test_stream_yields_the_same_tokens(models):
     target, root = models
     p = prompt(10, seed=6)

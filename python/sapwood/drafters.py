@@ -1,7 +1,8 @@
 """Drafters: propose a lattice of candidate tokens for the rows after the root.
 
-A lattice has R rows; row r holds candidates for the token r+1 places after the root, sorted by
-descending log-probability. Candidates of a row do not depend on which candidate was taken in
+A lattice has R rows; row r holds candidates for the token r+1 places after the root: the
+drafter's own pick first (its argmax, or its keyed sample when the request samples), then the
+others by descending log-probability. Candidates of a row do not depend on which candidate was taken in
 the row before (the drafter follows its own top-1 chain), which is what lets the tree grow
 best-first over (row, rank) cells. Room is left for MTP heads and block-diffusion drafters:
 anything with `draft(context, root, rows) -> Lattice` and `advance(committed)` fits.
@@ -24,7 +25,7 @@ class Lattice:
         return len(self.tokens)
 
     def chain(self) -> list[int]:
-        """The drafter's top-1 continuation."""
+        """The drafter's own continuation (rank 0 of every row)."""
         return [int(t[0]) for t in self.tokens]
 
 
@@ -88,14 +89,21 @@ class LookupDrafter:
 
 class ModelDrafter:
     """A smaller model of the same family run by the same runtime. Its committed state follows
-    the target's committed tokens; drafting never changes it (Engine.draft_chain runs the greedy
-    chain and rolls back), so a rejected draft costs nothing to undo."""
+    the target's committed tokens; drafting never changes it (Engine.draft_candidates runs the
+    chain and rolls back), so a rejected draft costs nothing to undo. When sampling, the chain
+    follows the sampler's keyed noise (set_sampling): a draft close to the target then proposes
+    the very token the target will sample, instead of its own argmax."""
 
-    def __init__(self, model, top_k: int = 4, temperature: float = 1.0):
-        self.model, self.top_k, self.temperature = model, int(top_k), float(temperature)
+    def __init__(self, model, top_k: int = 4):
+        self.model, self.top_k = model, int(top_k)
         self.engine = model.engine
         self.vocab_size = model.config.vocab_size
         self._synced = 0  # how many context tokens the draft engine has committed
+        self.temperature, self.seed = 0.0, 0
+
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        """The request's sampling temperature and seed (0: greedy chain)."""
+        self.temperature, self.seed = float(temperature), int(seed)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -121,8 +129,6 @@ class ModelDrafter:
         rows = min(rows, self.engine.max_context - self.engine.position - 1)
         if rows <= 0:
             return Lattice()
-        z = self.engine.draft_chain(int(root), rows).astype(np.float64) / max(self.temperature, 1e-6)
-        z -= z.max(axis=1, keepdims=True)
-        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-        top = np.argsort(-logp, axis=1, kind="stable")[:, : self.top_k]  # ties: lower id first
-        return Lattice(tokens=list(top), logprobs=list(np.take_along_axis(logp, top, axis=1)))
+        ids, logp = self.engine.draft_candidates(int(root), rows, self.top_k, self.temperature,
+                                                 self.seed)
+        return Lattice(tokens=list(ids), logprobs=list(logp))

@@ -93,6 +93,8 @@ class Decoder:
     def __init__(self, engine, drafter, cfg: DecodeConfig, ema: AdmissionEMA | None = None,
                  rule: WidthRule | None = None, on_round=None):
         self.engine, self.drafter, self.cfg = engine, drafter, cfg.validate()
+        if hasattr(drafter, "set_sampling"):  # a model drafter follows the sampler's noise
+            drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule(max_width=cfg.width or 16)
         self.stats = GenerationStats()

@@ -126,6 +126,8 @@ def _kept(s: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     """[N, V] scaled logits (row max 0) -> bool [N, V] kept set; never empty (the max survives
     every filter: top-k k >= 1, top-p's first id, min-p's ratio 1 >= min_p)."""
     n, v = s.shape
+    if not 0 < top_k < v and top_p >= 1.0 and min_p <= 0.0:
+        return np.isfinite(s)  # no filter: skip the sort (a pick per token pays for it)
     order = np.argsort(-s, axis=1, kind="stable")  # descending, ties: lower id first
     ss = np.take_along_axis(s, order, axis=1)
     keep = np.isfinite(ss)                          # -inf logits have probability 0
