@@ -5,10 +5,10 @@ with `retained` the draft rows the committed path kept; the next cycle goes wide
 avg < threshold. High chain acceptance means the chain already captures the draft's value.
 
 Width rule: choose w in [1, max_width] maximising expected committed tokens per second,
-    E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, depth_n)
-where a(rank, depth) is the calibrated chance that the target picks a candidate of that rank
-at that depth given its parent was reached (Beta counts over every verified node whose parent
-was on the committed path), and t is a cost model of a whole round, linear in features
+    E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, q_n)
+where a(rank, confidence) is the calibrated chance that the target picks a candidate of that
+rank and draft probability given its parent was reached (Beta counts over every verified node
+whose parent was on the committed path), and t is a cost model of a whole round, linear in features
 [1, w, ctx, w*ctx], fitted by recursive least squares from every round (not one timing per
 width), seeded from a prior and kept per context band across requests. The first wide round in a
 band the model has not seen is a calibration round: the decoder times the full tree and the root
@@ -108,33 +108,45 @@ class CostModel:
 
 
 class AcceptanceModel:
-    """Calibrated chance a(rank, depth) that a candidate is accepted given its parent was."""
+    """Calibrated chance a(rank, confidence) that a candidate is accepted given its parent was.
 
-    def __init__(self, max_rank=16, max_depth=32, prior_strength=2.0):
-        r, d = np.meshgrid(np.arange(max_rank), np.arange(max_depth), indexing="ij")
-        self.prior = 0.7 / (1.0 + r) * 0.97 ** d  # before any observation: top ranks likely
-        self.offered = np.zeros((max_rank, max_depth))
-        self.accepted = np.zeros((max_rank, max_depth))
+    Confidence is the drafter's own probability for the candidate, in buckets: it predicts
+    acceptance far better than depth does (a confident draft row is accepted wherever it sits,
+    an unsure one is not), which lets the width rule cut a chain where the drafter loses
+    confidence and branch where it hesitates. Before any observation a cell's chance is its
+    bucket's draft probability (a calibrated drafter); Beta counts take over as rounds come.
+    `depth` is accepted for the interface and ignored."""
+
+    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])
+    CENTERS = np.array([0.01, 0.035, 0.075, 0.15, 0.27, 0.42, 0.57, 0.72, 0.85, 0.935, 0.985])
+
+    def __init__(self, max_rank=16, prior_strength=2.0):
+        self.prior = np.tile(self.CENTERS, (max_rank, 1))
+        self.offered = np.zeros_like(self.prior)
+        self.accepted = np.zeros_like(self.prior)
         self.strength = prior_strength
 
-    def chance(self, rank, depth):
+    def _cell(self, rank, logprob):
         r = np.minimum(rank, self.offered.shape[0] - 1)
-        d = np.minimum(depth, self.offered.shape[1] - 1)
-        return (self.accepted[r, d] + self.strength * self.prior[r, d]) / (self.offered[r, d] + self.strength)
+        c = np.searchsorted(self.EDGES, np.exp(np.minimum(logprob, 0.0)), side="right")
+        return r, c
+
+    def chance(self, rank, depth, logprob):
+        r, c = self._cell(np.asarray(rank), np.asarray(logprob, float))
+        return (self.accepted[r, c] + self.strength * self.prior[r, c]) / (self.offered[r, c] + self.strength)
 
     def observe(self, tree: Tree, path) -> None:
         on_path = np.zeros(tree.width, bool)
         on_path[list(path)] = True
-        for i in range(1, tree.width):
-            if on_path[tree.parents[i]]:
-                r = min(int(tree.rank[i]), self.offered.shape[0] - 1)
-                d = min(int(tree.depth[i]), self.offered.shape[1] - 1)
-                self.offered[r, d] += 1
-                self.accepted[r, d] += on_path[i]
+        nodes = np.flatnonzero(on_path[tree.parents[1:]]) + 1  # nodes whose parent was reached
+        if nodes.size:
+            r, c = self._cell(tree.rank[nodes], tree.q[nodes])
+            np.add.at(self.offered, (r, c), 1)
+            np.add.at(self.accepted, (r, c), on_path[nodes])
 
     def expected_tokens(self, tree: Tree) -> np.ndarray:
         """E(w) for every prefix w = 1..tree.width (the prefix property makes this a cumsum)."""
-        ch = self.chance(tree.rank[1:], tree.depth[1:]).tolist()  # one vectorised lookup
+        ch = self.chance(tree.rank[1:], tree.depth[1:], tree.q[1:]).tolist()  # one lookup
         parents = tree.parents.tolist()
         reach = [1.0]
         for i in range(1, tree.width):

@@ -23,7 +23,11 @@ class Tree:
     depth: np.ndarray     # [w]
     rank: np.ndarray      # [w] candidate rank within its lattice row (-1 for the root)
     logp: np.ndarray      # [w] log path chance under the drafter
+    q: np.ndarray = None  # [w] the drafter's log-probability of each node's token (root: 0)
 
+    def __post_init__(self):
+        if self.q is None:
+            self.q = np.zeros(self.tokens.size)
     @property
     def width(self) -> int:
         return int(self.tokens.size)
@@ -38,22 +42,24 @@ class Tree:
         return int(hit[0]) if hit.size else -1
 
     def prefix(self, w: int) -> "Tree":
-        return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w])
+        return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w],
+                    self.q[:w])
 
 
 def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
 
     A node's chance is its parent's times its candidate's probability: the drafter's, or, when
-    `chance(ranks, depths)` is given (arrays in, array out), the calibrated probability that the target accepts a
-    candidate of that rank at that depth (made non-increasing in rank, so siblings still pop in
-    rank order). Calibrated chances keep a confident drafter's chain deep instead of spending
-    the width on unlikely siblings near the root.
+    `chance(ranks, depths, logprobs)` is given (arrays in, array out), the calibrated
+    probability that the target accepts a candidate of that rank, depth and draft
+    log-probability (made non-increasing in rank, so siblings still pop in rank order).
+    Calibrated chances keep a confident drafter's chain deep instead of spending the width on
+    unlikely siblings near the root.
 
     Lazy enumeration: popping a node pushes its first child (rank 0 of the next row) and its
     next sibling (rank+1 in the same row, same parent), so the heap stays small.
     """
-    toks, pars, dep, rnk, lps = [int(root)], [-1], [0], [-1], [0.0]
+    toks, pars, dep, rnk, lps, qs = [int(root)], [-1], [0], [-1], [0.0], [0.0]
     heap: list = []
     counter = 0
 
@@ -61,7 +67,8 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     if chance is not None:
         for row in range(lattice.rows):
             k = len(lattice.tokens[row])
-            c = np.minimum.accumulate(np.asarray(chance(np.arange(k), np.full(k, row + 1)), float))
+            c = chance(np.arange(k), np.full(k, row + 1), np.asarray(lattice.logprobs[row], float))
+            c = np.minimum.accumulate(np.asarray(c, float))
             cal[row] = np.log(np.maximum(c, 1e-12))
 
     def push(parent: int, row: int, rank: int):
@@ -81,15 +88,17 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
         dep.append(row + 1)
         rnk.append(rank)
         lps.append(-neg)
+        qs.append(float(lattice.logprobs[row][rank]))
         push(node, row + 1, 0)
         push(parent, row, rank + 1)
     return Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
-                np.array(rnk, np.int64), np.array(lps))
+                np.array(rnk, np.int64), np.array(lps), np.array(qs))
 
 
 def chain(root: int, lattice: Lattice, rows: int) -> Tree:
     """The root plus the drafter's top-1 chain of `rows` rows."""
     c = lattice.chain()[:rows]
     n = len(c) + 1
+    q = [0.0] + [float(lattice.logprobs[r][0]) for r in range(len(c))]
     return Tree(np.array([root] + c, np.int64), np.arange(n) - 1, np.arange(n),
-                np.array([-1] + [0] * len(c)), np.zeros(n))
+                np.array([-1] + [0] * len(c)), np.zeros(n), np.array(q))
