@@ -24,7 +24,7 @@ namespace {
 // kernel costs tens of microseconds in a VM, more than most regions' work. The spin is timed,
 // not counted, because the cost of `pause` varies tenfold between CPUs. Past it they block, so
 // an idle engine or a loaded machine (more runnable threads than cores) is not made worse.
-constexpr auto kSpin = std::chrono::microseconds(500);
+constexpr auto kSpin = std::chrono::microseconds(100);
 
 // Spins until ready() or kSpin has passed; returns ready().
 template <class Ready>

@@ -109,7 +109,7 @@ DRAFT_CONFIG = hybrid_config(hidden=128, layers=4, intermediate=384, heads=2, kv
 # an eager run may pick its thread count (1 or 2) by measured step time (probe_every > 0).
 TARGET_TRAIN = dict(seq_len=512, batch=8, stable_steps=None, decay_steps=None, lr=1.5e-3,
                     min_lr_frac=0.1, warmup=40, weight_decay=0.1, betas=(0.9, 0.95), clip=1.0,
-                    log_every=10, eval_every=250, ckpt_every=25, max_minutes=60.0, decay_minutes=11.0,
+                    log_every=10, eval_every=250, ckpt_every=25, max_minutes=45.0, decay_minutes=8.0,
                     compile=True, probe_every=0)
 DISTILL = dict(prefix_len=128, cont_len=64, n_train=4096, n_heldout=256, batch=128, temperature=0.8,
                topk=32, max_minutes=9.0, train_limit=None)
