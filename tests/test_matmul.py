@@ -57,22 +57,29 @@ def test_batch_invariant_bitwise(fmt):
     assert (m.matmul(x, threads=1) == m.matmul(x, threads=2)).all()
 
 
-# shapes reach every register tile and tail: outputs not a multiple of 4, rows 1..16, and
-# padded widths with (160, 288) and without (256) a half-vector tail for 64-byte kernels
-@pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("out,cols,rows", [(50, 160, 7), (64, 256, 16), (37, 288, 1), (9, 32, 5)])
-def test_kernel_variants_bitwise(fmt, out, cols, rows):
-    rng = np.random.default_rng(3)
-    w = rng.standard_normal((out, cols)).astype(np.float32)
-    x = rng.standard_normal((rows, cols)).astype(np.float32)
-    m = _core.WeightMatrix(w, fmt)
+def matmul_on_every_isa(m, x):
+    """m.matmul(x) under each kernel variant; asserts they agree bitwise, returns the result."""
     outs = []
     for name in ISAS:
         with isa(name):
             outs.append(m.matmul(x))
     for o in outs[1:]:
         assert (o == outs[0]).all()
+    return outs[0]
+
+
+# shapes reach every register tile and tail: outputs not a multiple of 4, rows 1..16 (AVX2:
+# 2x3 tiles from 3 rows, 4x1 below), and padded widths with (160, 288) and without (256) a
+# half-vector tail for 64-byte kernels
+@pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("out,cols,rows", [(50, 160, 7), (64, 256, 16), (37, 288, 1), (9, 32, 5),
+                                           (6, 64, 2), (11, 96, 3)])
+def test_kernel_variants_bitwise(fmt, out, cols, rows):
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((out, cols)).astype(np.float32)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    matmul_on_every_isa(_core.WeightMatrix(w, fmt), x)
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
@@ -81,15 +88,8 @@ def test_q8_extreme_dots_same_on_every_variant():
     unsigned-offset VNNI path must not overflow or saturate where the signed paths do not."""
     w = np.ones((8, 4096), np.float32)
     w[1::2] *= -1
-    x = np.ones((5, 4096), np.float32)
-    m = _core.WeightMatrix(w, "q8")
-    outs = []
-    for name in ISAS:
-        with isa(name):
-            outs.append(m.matmul(x))
-    for o in outs[1:]:
-        assert (o == outs[0]).all()
-    assert (outs[0][:, 0::2] == 4096).all() and (outs[0][:, 1::2] == -4096).all()
+    y = matmul_on_every_isa(_core.WeightMatrix(w, "q8"), np.ones((5, 4096), np.float32))
+    assert (y[:, 0::2] == 4096).all() and (y[:, 1::2] == -4096).all()
 
 
 def test_bad_input():

@@ -96,7 +96,7 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
 
 
 def chain(root: int, lattice: Lattice, rows: int) -> Tree:
-    """The root plus the drafter's top-1 chain of `rows` rows."""
+    """The root plus the drafter's own chain (rank 0 of every row) of `rows` rows."""
     c = lattice.chain()[:rows]
     n = len(c) + 1
     q = [0.0] + [float(lattice.logprobs[r][0]) for r in range(len(c))]
