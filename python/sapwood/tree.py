@@ -62,33 +62,37 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     toks, pars, dep, rnk, lps, qs = [int(root)], [-1], [0], [-1], [0.0], [0.0]
     heap: list = []
     counter = 0
-
-    cal = {}
-    if chance is not None:
-        for row in range(lattice.rows):
-            k = len(lattice.tokens[row])
-            c = chance(np.arange(k), np.full(k, row + 1), np.asarray(lattice.logprobs[row], float))
-            c = np.minimum.accumulate(np.asarray(c, float))
-            cal[row] = np.log(np.maximum(c, 1e-12))
+    # Python lists, and one chance() call for the whole lattice: this runs every round, and
+    # per-row numpy calls cost more than the tree's own bookkeeping.
+    tokens = [np.asarray(t).tolist() for t in lattice.tokens]
+    logprobs = [np.asarray(lp, float).tolist() for lp in lattice.logprobs]
+    steps = logprobs
+    if chance is not None and tokens:
+        ks = [len(t) for t in tokens]
+        c = np.asarray(chance(np.concatenate([np.arange(k) for k in ks]),
+                              np.repeat(np.arange(1, len(ks) + 1), ks),
+                              np.concatenate([np.asarray(lp, float) for lp in logprobs])), float)
+        bounds = np.cumsum([0] + ks)
+        steps = [np.log(np.maximum(np.minimum.accumulate(c[bounds[r]:bounds[r + 1]]), 1e-12)).tolist()
+                 for r in range(len(ks))]
+    rows = len(tokens)
 
     def push(parent: int, row: int, rank: int):
         nonlocal counter
-        if row < lattice.rows and rank < len(lattice.tokens[row]):
-            step = cal[row][rank] if chance is not None else float(lattice.logprobs[row][rank])
-            lp = lps[parent] + step
-            heapq.heappush(heap, (-lp, counter, parent, row, rank))
+        if row < rows and rank < len(tokens[row]):
+            heapq.heappush(heap, (-(lps[parent] + steps[row][rank]), counter, parent, row, rank))
             counter += 1
 
     push(0, 0, 0)
     while heap and len(toks) < width:
         neg, _, parent, row, rank = heapq.heappop(heap)
         node = len(toks)
-        toks.append(int(lattice.tokens[row][rank]))
+        toks.append(int(tokens[row][rank]))
         pars.append(parent)
         dep.append(row + 1)
         rnk.append(rank)
         lps.append(-neg)
-        qs.append(float(lattice.logprobs[row][rank]))
+        qs.append(logprobs[row][rank])
         push(node, row + 1, 0)
         push(parent, row, rank + 1)
     return Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
