@@ -89,6 +89,9 @@ class CostModel:
     def predict_widths(self, ws, ctx) -> np.ndarray:
         """predict() for an array of widths at one context, in one product."""
         theta, _ = self._fits[self._band(ctx)]
+        # a wider round never costs less: noisy timings (a shared machine) can fit a negative
+        # width slope, which would send the rule to the widest tree every time
+        theta = np.array([theta[0], max(theta[1], 0.0), theta[2], max(theta[3], 0.0)])
         ws = np.asarray(ws, np.float64)
         c = ctx / 4096.0
         phi = np.stack([np.ones_like(ws), ws, np.full_like(ws, c), ws * c], axis=1)
@@ -113,15 +116,19 @@ class AcceptanceModel:
     Confidence is the drafter's own probability for the candidate, in buckets: it predicts
     acceptance far better than depth does (a confident draft row is accepted wherever it sits,
     an unsure one is not), which lets the width rule cut a chain where the drafter loses
-    confidence and branch where it hesitates. Before any observation a cell's chance is its
-    bucket's draft probability (a calibrated drafter); Beta counts take over as rounds come.
+    confidence and branch where it hesitates. Before any observation a cell's chance is a prior
+    by rank; Beta counts take over as rounds come.
     `depth` is accepted for the interface and ignored."""
 
     EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])
     CENTERS = np.array([0.01, 0.035, 0.075, 0.15, 0.27, 0.42, 0.57, 0.72, 0.85, 0.935, 0.985])
 
     def __init__(self, max_rank=16, prior_strength=2.0):
-        self.prior = np.tile(self.CENTERS, (max_rank, 1))
+        # The prior is by rank only (top ranks likely), not the bucket's own probability: drafts
+        # are often far from calibrated (the bundled one is underconfident: rank-0 candidates it
+        # gives 0.2-0.35 are accepted ~90% of the time), and a pessimistic prior for a bucket
+        # never verified would never be corrected.
+        self.prior = np.tile((0.7 / (1.0 + np.arange(max_rank)))[:, None], (1, len(self.CENTERS)))
         self.offered = np.zeros_like(self.prior)
         self.accepted = np.zeros_like(self.prior)
         self.strength = prior_strength
