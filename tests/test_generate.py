@@ -291,7 +291,7 @@ def test_chat_messages_use_the_checkpoint_template(tmp_path):
 @pytest.mark.parametrize("seed", range(3))
 def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
     lat = lattice(rows=8, k=4, seed=seed)
-    chance = lambda rank, depth, q: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
+    chance = lambda rank, q: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
     big = grow(0, lat, 16, chance=chance)
     for w in range(1, 17):
         assert (grow(0, lat, w, chance=chance).parents == big.parents[:w]).all()
@@ -325,11 +325,11 @@ def test_acceptance_follows_draft_confidence_and_the_rule_cuts_unsure_tails():
                   logprobs=[np.log([0.95])] * 4 + [np.log([0.1])] * 4)
     t = chain(1, lat, 8)
     acc = AcceptanceModel()
-    assert acc.chance([0], [1], [np.log(0.95)])[0] == acc.chance([0], [1], [np.log(0.1)])[0]
+    assert acc.chance([0], [np.log(0.95)])[0] == acc.chance([0], [np.log(0.1)])[0]
     for _ in range(200):
         acc.observe(t, [0, 1, 2, 3, 4])  # the four sure rows kept, the first unsure one not
-    assert acc.chance([0], [3], [np.log(0.95)])[0] > 0.98
-    assert acc.chance([0], [5], [np.log(0.1)])[0] < 0.02
+    assert acc.chance([0], [np.log(0.95)])[0] > 0.98
+    assert acc.chance([0], [np.log(0.1)])[0] < 0.02
     rule = simulated_rule(lambda w, c: 0.010 + 0.002 * w, [1.0], ctx=64)
     rule.acceptance = acc
     assert rule.choose(t, ctx=64) == 5

@@ -2,8 +2,8 @@
 
 A lattice has R rows; row r holds candidates for the token r+1 places after the root: the
 drafter's own pick first (its argmax, or its keyed sample when the request samples), then the
-others by descending log-probability. Candidates of a row do not depend on which candidate was taken in
-the row before (the drafter follows its own chain), which is what lets the tree grow
+others by descending log-probability. Candidates of a row do not depend on which candidate was
+taken in the row before (the drafter follows its own chain), which is what lets the tree grow
 best-first over (row, rank) cells. Room is left for MTP heads and block-diffusion drafters:
 anything with `draft(context, root, rows) -> Lattice` and `advance(committed)` fits.
 """

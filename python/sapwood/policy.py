@@ -117,18 +117,16 @@ class AcceptanceModel:
     acceptance far better than depth does (a confident draft row is accepted wherever it sits,
     an unsure one is not), which lets the width rule cut a chain where the drafter loses
     confidence and branch where it hesitates. Before any observation a cell's chance is a prior
-    by rank; Beta counts take over as rounds come.
-    `depth` is accepted for the interface and ignored."""
+    by rank; Beta counts take over as rounds come."""
 
-    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])
-    CENTERS = np.array([0.01, 0.035, 0.075, 0.15, 0.27, 0.42, 0.57, 0.72, 0.85, 0.935, 0.985])
+    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])  # 11 buckets
 
     def __init__(self, max_rank=16, prior_strength=2.0):
         # The prior is by rank only (top ranks likely), not the bucket's own probability: drafts
         # are often far from calibrated (the bundled one is underconfident: rank-0 candidates it
         # gives 0.2-0.35 are accepted ~90% of the time), and a pessimistic prior for a bucket
         # never verified would never be corrected.
-        self.prior = np.tile((0.7 / (1.0 + np.arange(max_rank)))[:, None], (1, len(self.CENTERS)))
+        self.prior = np.tile((0.7 / (1.0 + np.arange(max_rank)))[:, None], (1, len(self.EDGES) + 1))
         self.offered = np.zeros_like(self.prior)
         self.accepted = np.zeros_like(self.prior)
         self.strength = prior_strength
@@ -138,7 +136,7 @@ class AcceptanceModel:
         c = np.searchsorted(self.EDGES, np.exp(np.minimum(logprob, 0.0)), side="right")
         return r, c
 
-    def chance(self, rank, depth, logprob):
+    def chance(self, rank, logprob):
         r, c = self._cell(np.asarray(rank), np.asarray(logprob, float))
         return (self.accepted[r, c] + self.strength * self.prior[r, c]) / (self.offered[r, c] + self.strength)
 
@@ -153,7 +151,7 @@ class AcceptanceModel:
 
     def expected_tokens(self, tree: Tree) -> np.ndarray:
         """E(w) for every prefix w = 1..tree.width (the prefix property makes this a cumsum)."""
-        ch = self.chance(tree.rank[1:], tree.depth[1:], tree.q[1:]).tolist()  # one lookup
+        ch = self.chance(tree.rank[1:], tree.q[1:]).tolist()  # one lookup
         parents = tree.parents.tolist()
         reach = [1.0]
         for i in range(1, tree.width):

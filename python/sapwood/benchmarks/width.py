@@ -52,8 +52,9 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     acc = np.mean(accs, axis=0) if accs else np.zeros(max_width)
     res["derived_tokens_per_round"] = (1 + acc).tolist()
     # 2. Forced widths and the rule, timed (decode only: prompt cached), `reps` passes over all
-    #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike. The
-    #    rule runs after the forced widths taught it costs and acceptance.
+    #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike.
+    #    generate() makes a new width rule whenever the max width changes, so the rule arm keeps
+    #    only what it learned beside the width-16 arm, not what the narrower arms measured.
     arms = list(range(1, max_width + 1)) + ["rule"]
     tps = {arm: [] for arm in arms}
     round_s = {w: [] for w in arms[:-1]}
