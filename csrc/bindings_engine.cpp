@@ -124,39 +124,15 @@ void bind_engine(py::module_& m) {
            "> 0); committed state unchanged.")
       .def("draft_candidates", [](Engine& e, int root, int rows, int k, double temperature,
                                   uint64_t seed) {
-             SW_CHECK(k >= 1, "draft_candidates: k must be >= 1, got ", k);
-             const int V = e.dims().vocab;
-             k = std::min(k, V);
-             std::vector<int64_t> ids;
+             std::vector<int> ids;
              std::vector<double> logp;
              {
                py::gil_scoped_release release;
-               std::vector<int> chain;  // draft_chain checks root and rows
-               const std::vector<float> z = e.draft_chain(root, rows, temperature, seed, &chain);
-               ids.resize(size_t(rows) * k);
-               logp.resize(ids.size());
-               std::vector<int> order(V);
-               for (int r = 0; r < rows; ++r) {
-                 const float* row = z.data() + size_t(r) * V;
-                 double mx = row[0], sum = 0.0;
-                 for (int i = 1; i < V; ++i) mx = std::max(mx, double(row[i]));
-                 for (int i = 0; i < V; ++i) sum += std::exp(double(row[i]) - mx);
-                 const double lse = mx + std::log(sum);
-                 // the chain's pick first, then the best others (ties: lower id)
-                 for (int i = 0; i < V; ++i) order[i] = i;
-                 std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
-                   const bool pa = a == chain[r], pb = b == chain[r];
-                   if (pa != pb) return pa;
-                   return row[a] > row[b] || (row[a] == row[b] && a < b);
-                 });
-                 for (int j = 0; j < k; ++j) {
-                   ids[size_t(r) * k + j] = order[j];
-                   logp[size_t(r) * k + j] = double(row[order[j]]) - lse;
-                 }
-               }
+               e.draft_candidates(root, rows, k, temperature, seed, &ids, &logp);
              }
-             py::array_t<int64_t> ids_a({py::ssize_t(rows), py::ssize_t(k)});
-             py::array_t<double> logp_a({py::ssize_t(rows), py::ssize_t(k)});
+             const py::ssize_t kk = py::ssize_t(ids.size() / size_t(rows));
+             py::array_t<int64_t> ids_a({py::ssize_t(rows), kk});
+             py::array_t<double> logp_a({py::ssize_t(rows), kk});
              std::copy(ids.begin(), ids.end(), ids_a.mutable_data());
              std::copy(logp.begin(), logp.end(), logp_a.mutable_data());
              return py::make_tuple(ids_a, logp_a);

@@ -43,11 +43,11 @@ std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows
   tape_parents_.clear();
   seq_->reserve(P + T);
   // A failure part-way (non-finite activations) must not leave some layers advanced.
-  const std::vector<GDNLayer> saved = gdn_;
+  const std::vector<GDNLayer::Committed> saved = committed_gdn();
   try {
     return prefill_chunks(tokens, all_rows, P);
   } catch (...) {
-    gdn_ = saved;
+    restore_gdn(saved);
     seq_->truncate(P);
     throw;
   }
@@ -166,7 +166,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   seq_->reserve(P + rows);
   // Commit one token per row, then roll back: KV pages are append-only (truncating to P leaves
   // positions < P untouched) and the GDN layers are restored from a copy.
-  const std::vector<GDNLayer> saved = gdn_;
+  const std::vector<GDNLayer::Committed> saved = committed_gdn();
   std::vector<float> out(size_t(rows) * V);
   try {
     int tok = root;
@@ -177,13 +177,59 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
       if (chain) chain->push_back(tok);
     }
   } catch (...) {
-    gdn_ = saved;
+    restore_gdn(saved);
     seq_->truncate(P);
     throw;
   }
-  gdn_ = saved;
+  restore_gdn(saved);
   seq_->truncate(P);
   return out;
+}
+
+void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
+                              std::vector<int>* ids, std::vector<double>* logp) {
+  SW_CHECK(k >= 1, "draft_candidates: k must be >= 1, got ", k);
+  const int V = dims_.vocab;
+  k = std::min(k, V);
+  std::vector<int> chain;  // draft_chain checks root and rows
+  const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain);
+  ids->assign(size_t(rows) * k, 0);
+  logp->assign(ids->size(), 0.0);
+  std::vector<int> best;  // the k-1 best ids other than the chain's pick, best first
+  for (int r = 0; r < rows; ++r) {
+    const float* row = z.data() + size_t(r) * V;
+    // One pass each for the max, the softmax sum (float exp: these only rank and bucket
+    // proposals, never what is emitted) and the top k-1: a partial sort of the whole row
+    // cost more than the draft's forward.
+    const float mx = *std::max_element(row, row + V);
+    double sum = 0.0;
+    for (int i = 0; i < V; ++i) sum += std::exp(row[i] - mx);
+    const double lse = double(mx) + std::log(sum);
+    best.clear();
+    for (int i = 0; i < V; ++i) {
+      if (i == chain[r]) continue;
+      if (int(best.size()) == k - 1 && (k == 1 || row[i] <= row[best.back()])) continue;
+      // insert keeping best-first order; an equal value sorts after (lower ids come first)
+      auto at = std::upper_bound(best.begin(), best.end(), i,
+                                 [&](int a, int b) { return row[a] > row[b]; });
+      best.insert(at, i);
+      if (int(best.size()) > k - 1) best.pop_back();
+    }
+    int* out = ids->data() + size_t(r) * k;
+    out[0] = chain[r];
+    std::copy(best.begin(), best.end(), out + 1);
+    for (int j = 0; j < k; ++j) (*logp)[size_t(r) * k + j] = double(row[out[j]]) - lse;
+  }
+}
+
+std::vector<GDNLayer::Committed> Engine::committed_gdn() const {
+  std::vector<GDNLayer::Committed> c;
+  for (const GDNLayer& g : gdn_) c.push_back(g.committed());
+  return c;
+}
+
+void Engine::restore_gdn(const std::vector<GDNLayer::Committed>& c) {
+  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].restore(c[i]);
 }
 
 void Engine::reset() {

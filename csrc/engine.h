@@ -33,6 +33,11 @@ class Engine {
   std::vector<float> draft_chain(int root, int rows, double temperature = 0.0, uint64_t seed = 0,
                                  std::vector<int>* chain = nullptr);
   static constexpr int kDraftSampleTop = 256;  // the tail past it has almost no mass
+  // draft_chain ranked for a drafter: per row the chain's pick, then the k-1 other most likely
+  // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
+  // are [rows][k].
+  void draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
+                        std::vector<int>* ids, std::vector<double>* logp);
   void reset();
   // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
   // state left as it is) without paying for their prefill. Not a model computation.
@@ -54,6 +59,8 @@ class Engine {
  private:
   void check_tokens(const std::vector<int>& tokens) const;
   std::vector<float> prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P);
+  std::vector<GDNLayer::Committed> committed_gdn() const;
+  void restore_gdn(const std::vector<GDNLayer::Committed>& c);
 
   ModelDims dims_;
   ModelWeights weights_;

@@ -39,6 +39,12 @@ void GDNLayer::reset() {
   tape_n_ = 0;
 }
 
+void GDNLayer::restore(const Committed& c) {
+  S_ = c.S, window_ = c.window, pk_ = c.pk, pv_ = c.pv, pg_ = c.pg, pbeta_ = c.pbeta;
+  n_pending_ = c.n_pending;
+  tape_n_ = 0;
+}
+
 size_t GDNLayer::state_bytes() const {
   return sizeof(float) * (S_.size() + window_.size() + pk_.size() + pv_.size() + pg_.size() +
                           pbeta_.size());

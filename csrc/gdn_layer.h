@@ -27,6 +27,15 @@ class GDNLayer {
   void prefill(const float* x, const float* g, const float* beta, int n, float* out, int threads);
   void reset();
 
+  // The committed state alone (no weights, no tape): what a caller saves to roll back a
+  // prefill (the draft chain, a failed prefill) at a fraction of copying the layer.
+  struct Committed {
+    std::vector<float> S, window, pk, pv, pg, pbeta;
+    int n_pending = 0;
+  };
+  Committed committed() const { return {S_, window_, pk_, pv_, pg_, pbeta_, n_pending_}; }
+  void restore(const Committed& c);
+
   // S with every pending token folded in (what the state "is"); for tests and snapshots.
   std::vector<float> folded_state(int threads) const;
   const std::vector<float>& raw_state() const { return S_; }

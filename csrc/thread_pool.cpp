@@ -122,7 +122,7 @@ class Pool {
 };
 
 std::atomic<int> g_default_threads{0};
-std::atomic<long long> g_min_parallel_work{1LL << 20};
+std::atomic<long long> g_min_parallel_work{1LL << 15};
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
