@@ -141,6 +141,13 @@ void bind_engine(py::module_& m) {
            py::arg("seed") = 0,
            "(ids [rows, k], log-probabilities [rows, k]) of the draft chain: per row the chain's "
            "pick first, then the other most likely ids; committed state unchanged.")
+      .def("keep_draft", [](Engine& e, const std::vector<int>& tokens) {
+             py::gil_scoped_release release;
+             return e.keep_draft(tokens);
+           }, py::arg("tokens"),
+           "After draft_chain/draft_candidates: commit the longest prefix of `tokens` equal to the "
+           "chain's processed tokens (root, a1, ...) from the states the chain kept; returns its "
+           "length m (prefill tokens[m:] next). Any other call drops what the chain kept.")
       .def("reset", &Engine::reset)
       .def("fill_synthetic", [](Engine& e, int n, uint64_t seed) {
              py::gil_scoped_release release;

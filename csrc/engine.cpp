@@ -40,7 +40,7 @@ std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows
   const int P = position(), T = int(tokens.size());
   SW_CHECK(P + T <= max_context_, "context full: ", P, " committed + ", T, " new tokens > max_context ",
            max_context_);
-  tape_parents_.clear();
+  begin_change();
   seq_->reserve(P + T);
   // A failure part-way (non-finite activations) must not leave some layers advanced.
   const std::vector<GDNLayer::Committed> saved = committed_gdn();
@@ -95,7 +95,7 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
     lay.pos.push_back(position() + depth[i]);
     lay.row_len.push_back(position() + depth[i] + 1);
   }
-  tape_parents_.clear();
+  begin_change();
   Forward f(dims_, weights_, threads_);
   std::vector<float> logits = f.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
   tape_parents_ = parents;
@@ -114,7 +114,7 @@ void Engine::commit(const std::vector<int>& path) {
                   tape_[a].v.data() + size_t(path[j]) * Hkv * D);
   seq_->set_length(P + m);
   for (GDNLayer& g : gdn_) g.commit(path, threads_);
-  tape_parents_.clear();
+  begin_change();
 }
 
 namespace {
@@ -162,28 +162,54 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   const int P = position(), V = dims_.vocab;
   SW_CHECK(rows >= 1 && P + rows <= max_context_, "draft_chain: ", rows, " rows at position ", P,
            " (max_context ", max_context_, ")");
-  tape_parents_.clear();
+  begin_change();
   seq_->reserve(P + rows);
-  // Commit one token per row, then roll back: KV pages are append-only (truncating to P leaves
-  // positions < P untouched) and the GDN layers are restored from a copy.
+  // Commit one token per row, then roll back: the GDN layers are restored from a copy, and
+  // the length goes back to P while the pages stay reserved, so positions P.. keep the chain's
+  // K/V. The state after every row is kept too: keep_draft() adopts the rows the target then
+  // commits instead of prefilling them again.
   const std::vector<GDNLayer::Committed> saved = committed_gdn();
   std::vector<float> out(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       const std::vector<float> row = prefill_chunks({tok}, false, P + r);
+      draft_tokens_.push_back(tok);
+      draft_states_.push_back(committed_gdn());
       std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
       tok = draft_pick(row.data(), V, temperature, seed, uint64_t(P + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);
     }
   } catch (...) {
+    begin_change();
     restore_gdn(saved);
     seq_->truncate(P);
     throw;
   }
   restore_gdn(saved);
-  seq_->truncate(P);
+  seq_->set_length(P);
   return out;
+}
+
+int Engine::keep_draft(const std::vector<int>& tokens) {
+  check_tokens(tokens);
+  int m = 0;
+  while (m < int(tokens.size()) && m < int(draft_tokens_.size()) && tokens[m] == draft_tokens_[m])
+    ++m;
+  if (m > 0) {
+    const std::vector<GDNLayer::Committed> state = std::move(draft_states_[m - 1]);
+    begin_change();
+    restore_gdn(state);
+    seq_->set_length(position() + m);
+  }
+  begin_change();
+  return m;
+}
+
+void Engine::begin_change() {
+  tape_parents_.clear();
+  draft_tokens_.clear();
+  draft_states_.clear();
 }
 
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
@@ -235,13 +261,13 @@ void Engine::restore_gdn(const std::vector<GDNLayer::Committed>& c) {
 void Engine::reset() {
   seq_->truncate(0);
   for (GDNLayer& g : gdn_) g.reset();
-  tape_parents_.clear();
+  begin_change();
 }
 
 void Engine::fill_synthetic(int n, uint64_t seed) {
   SW_CHECK(n >= 0 && position() + n <= max_context_, "fill_synthetic: ", n, " positions past ",
            position(), " exceed max_context ", max_context_);
-  tape_parents_.clear();
+  begin_change();
   const int P = position(), Hkv = dims_.n_kv_heads, D = dims_.head_dim;
   seq_->reserve(P + n);
   std::vector<float> k(size_t(Hkv) * D), v(k.size());
@@ -263,8 +289,9 @@ std::shared_ptr<Snapshot> Engine::snapshot() const {
   auto s = std::make_shared<Snapshot>();
   s->length = position();
   const size_t bytes = pool_->page_bytes();
-  for (int p : seq_->page_table()) {
-    const uint8_t* src = pool_->page_data(p);
+  const int used = (position() + pool_->page_size() - 1) / pool_->page_size();
+  for (int i = 0; i < used; ++i) {  // pages past the length (a draft's) are not state
+    const uint8_t* src = pool_->page_data(seq_->page_table()[i]);
     s->pages.emplace_back(src, src + bytes);
   }
   s->gdn = gdn_;
@@ -280,7 +307,7 @@ void Engine::restore(const Snapshot& s) {
     std::memcpy(pool_->page_data(seq_->page_table()[i]), s.pages[i].data(), s.pages[i].size());
   seq_->set_length(s.length);
   gdn_ = s.gdn;
-  tape_parents_.clear();
+  begin_change();
 }
 
 size_t Engine::kv_bytes_used() const { return seq_->page_table().size() * pool_->page_bytes(); }

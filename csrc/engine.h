@@ -32,6 +32,11 @@ class Engine {
   // of `rows` chain verifies of growing length. `chain` (if given) receives a1..a(rows).
   std::vector<float> draft_chain(int root, int rows, double temperature = 0.0, uint64_t seed = 0,
                                  std::vector<int>* chain = nullptr);
+  // After a draft chain: adopt the longest prefix of `tokens` (the target's committed tokens)
+  // that equals the chain's processed tokens (root, a1, ...) as committed, from the states the
+  // chain kept, and return its length m; the caller then prefills tokens[m:]. The result is
+  // the state prefill(tokens[0..m)) gives. Any other call drops what the chain kept.
+  int keep_draft(const std::vector<int>& tokens);
   static constexpr int kDraftSampleTop = 256;  // the tail past it has almost no mass
   // draft_chain ranked for a drafter: per row the chain's pick, then the k-1 other most likely
   // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
@@ -61,6 +66,7 @@ class Engine {
   std::vector<float> prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P);
   std::vector<GDNLayer::Committed> committed_gdn() const;
   void restore_gdn(const std::vector<GDNLayer::Committed>& c);
+  void begin_change();  // any change of state: drops the verify tape and the kept draft
 
   ModelDims dims_;
   ModelWeights weights_;
@@ -70,6 +76,8 @@ class Engine {
   std::vector<GDNLayer> gdn_;
   std::vector<KVTape> tape_;
   std::vector<int> tape_parents_;   // empty: no verify to commit
+  std::vector<int> draft_tokens_;   // the last draft chain's processed tokens, and
+  std::vector<std::vector<GDNLayer::Committed>> draft_states_;  // the GDN state after each
 };
 
 }  // namespace sapwood

@@ -126,6 +126,31 @@ def test_draft_chain_equals_growing_chain_verifies_bitwise(ckpt, pending):
     assert (eng.verify([5], [-1]) == fresh.verify([5], [-1])).all()
 
 
+@pytest.mark.parametrize("kept", [0, 1, 4, 6])
+def test_keep_draft_adopts_the_committed_rows_of_the_chain(ckpt, kept):
+    """After a draft chain, keep_draft(tokens) commits the prefix of tokens that the chain
+    processed (here `kept` of them, then a token that leaves the chain) from the kept states;
+    prefilling the rest leaves the state a plain prefill of all tokens gives, bitwise."""
+    base = prompt(70, seed=4)  # 70: the chain crosses a KV page boundary (64)
+    eng = sapwood.load(ckpt, weights="q8").engine
+    eng.prefill(base[:60])
+    rows = eng.draft_chain(7, 6)
+    chain = [7] + [int(np.argmax(r)) for r in rows[:-1]]
+    tokens = chain[:kept] + [(chain[kept] + 1) % 256 if kept < 6 else 11, 3]
+    m = eng.keep_draft(tokens)
+    assert m == kept and eng.position == 60 + kept
+    eng.prefill(tokens[m:])
+    fresh = sapwood.load(ckpt, weights="q8").engine
+    fresh.prefill([*base[:60], *tokens])
+    assert eng.position == fresh.position
+    tree = [5, 9, 2], [-1, 0, 0]
+    assert (eng.verify(*tree) == fresh.verify(*tree)).all()
+    # anything in between drops what the chain kept
+    eng.draft_chain(7, 3)
+    eng.verify([1], [-1])
+    assert eng.keep_draft([7]) == 0 and eng.position == fresh.position
+
+
 def test_sampled_draft_chain_follows_the_keyed_sampler(ckpt):
     """At temperature > 0 the chain's pick from each row is the keyed Gumbel-max sample among
     the row's best kDraftSampleTop (256) ids (here all of them), and each row still equals the

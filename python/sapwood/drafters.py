@@ -92,7 +92,9 @@ class ModelDrafter:
     the target's committed tokens; drafting never changes it (Engine.draft_candidates runs the
     chain and rolls back), so a rejected draft costs nothing to undo. When sampling, the chain
     follows the sampler's keyed noise (set_sampling): a draft close to the target then proposes
-    the very token the target will sample, instead of its own argmax."""
+    the very token the target will sample, instead of its own argmax. The chain's per-row
+    states are kept until the next call, so advancing over the committed prefix of the chain
+    costs no forward (Engine.keep_draft)."""
 
     def __init__(self, model, top_k: int = 4):
         self.model, self.top_k = model, int(top_k)
@@ -121,7 +123,10 @@ class ModelDrafter:
     def advance(self, committed) -> None:
         committed = [int(t) for t in committed]
         if committed:
-            self.engine.prefill(committed)
+            # the rows of the last draft chain that the target committed are already computed
+            kept = self.engine.keep_draft(committed)
+            if kept < len(committed):
+                self.engine.prefill(committed[kept:])
             self._synced += len(committed)
 
     def draft(self, context, root, rows) -> Lattice:

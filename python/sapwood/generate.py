@@ -157,8 +157,11 @@ class Decoder:
         t = time.perf_counter()
         logits = eng.verify(full.tokens, full.parents)
         tw = time.perf_counter() - t
-        self.rule.cost.observe(1, ctx, t_draft + t1)
-        self.rule.cost.observe(full.width, ctx, t_draft + tw)
+        self.rule.cost.observe(1, ctx, t1)
+        self.rule.cost.observe(full.width, ctx, tw)
+        if not self.rule.cost.rest(ctx):
+            self.rule.cost.observe_rest(ctx, t_draft)
+        self.verify_s = t1 + tw
         w = self.rule.choose(full, ctx)
         return full.prefix(w), True, logits[:w]
 
@@ -199,7 +202,9 @@ class Decoder:
                 tree, wide, logits = self._build(root, mode, room)
                 calibration = logits is not None
                 if not calibration:
+                    t = time.perf_counter()
                     logits = eng.verify(tree.tokens, tree.parents)
+                    self.verify_s = time.perf_counter() - t
                 path, picks = self._walk(tree, logits)
                 eng.commit(path)
                 committed = [int(tree.tokens[n]) for n in path]
@@ -215,10 +220,12 @@ class Decoder:
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
                     # the first round after prefill pays warm-up costs; a calibration round
-                    # has fed its own timings
+                    # has fed its own verify timings
+                    ctx = eng.position - len(path)
                     if not first_round and not calibration:
-                        self.rule.cost.observe(tree.width, eng.position - len(path),
-                                               time.perf_counter() - t_round)
+                        self.rule.cost.observe(tree.width, ctx, self.verify_s)
+                    if not first_round:
+                        self.rule.cost.observe_rest(ctx, time.perf_counter() - t_round - self.verify_s)
                 first_round = False
                 if self.on_round is not None:
                     self.on_round(tree, path, time.perf_counter() - t_round)

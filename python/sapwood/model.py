@@ -111,8 +111,11 @@ class Model:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         d = None if verify == "off" else self.resolve_drafter(drafter)
-        if self._width_rule is None or self._width_rule.max_width != (width or 16):
-            self._width_rule = WidthRule(max_width=width or 16)
+        # one rule per model: what it measured (verify costs by width, acceptance) holds whatever
+        # the request's verify mode or largest width
+        if self._width_rule is None:
+            self._width_rule = WidthRule()
+        self._width_rule.max_width = width or 16
         self.engine.reset()
         dec = Decoder(self.engine, d, cfg, rule=self._width_rule, on_round=on_round)
 

@@ -8,16 +8,18 @@ Width rule: choose w in [1, max_width] maximising expected committed tokens per 
     E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, q_n)
 where a(rank, confidence) is the calibrated chance that the target picks a candidate of that
 rank and draft probability given its parent was reached (Beta counts over every verified node
-whose parent was on the committed path), and t is a cost model of a whole round, linear in features
-[1, w, ctx, w*ctx], fitted by recursive least squares from every round (not one timing per
-width), seeded from a prior and kept per context band across requests. The first wide round in a
-band the model has not seen is a calibration round: the decoder times the full tree and the root
+whose parent was on the committed path), and t is a cost model of a whole round (CostModel): the
+rest of the round (drafting, growth, walk, commit) plus the engine's verify, linear in features
+[1, w, ctx, w*ctx], fitted robustly from every round's verify time (not one timing per width),
+seeded from a prior and kept per context band across requests. The first wide round in a band
+the model has not seen is a calibration round: the decoder times the full tree and the root
 alone (the full tree's logits serve every prefix, so only the root's verify is extra) and feeds
 both to the fit before choosing, so even a fresh process's first request starts from measured
 costs rather than the prior.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,68 +48,87 @@ class AdmissionEMA:
 
 
 class CostModel:
-    """Round time (seconds) as a linear function of [1, w, c, w*c] with c = ctx / 4096, by
-    recursive least squares (a Kalman filter on the coefficients) with slight forgetting; one
-    fit per context band. Coefficients are kept in units of the prior intercept, where the
-    prior uncertainty (rel_uncertainty per coefficient) and the per-round timing noise
-    (noise, relative) are both meaningful numbers."""
+    """A round's time (seconds) as rest(ctx) + verify(w, ctx).
 
-    BANDS = (1024, 4096, 16384)
+    verify: the engine's verify of a w-node tree, a line a + b*w per context band (powers of
+    two: within a band the context moves little), fitted by Theil-Sen to the median recent
+    timing of each width (the slope is the median of the slopes between pairs of widths, the
+    intercept the median of what is left; weighting pairs by their width gap was tried and let
+    a spiked wide calibration round dominate). A shared machine makes least squares
+    unsafe: one preempted calibration round at width 16, three times its cost, once fitted
+    8.6 ms a node where a node costs 0.3 ms, and a rule that then stays narrow never sees the
+    rounds that would correct it. A median ignores such rounds while they are fewer than ~29%
+    of the pairs. Until a band has timings at two widths, the prior line.
+    rest: drafting, tree growth, walk and commit, which hardly depend on the width: the median
+    of the band's recent rounds (the draft's own attention makes it grow with the context).
+    """
 
-    def __init__(self, prior=(4e-3, 1e-3, 1e-3, 5e-4), rel_uncertainty=2.0, noise=0.05,
-                 forget=0.995):
-        prior = np.asarray(prior, np.float64)
-        self.unit = float(prior[0])
-        self.theta0 = prior / self.unit
-        # Prior covariance proportional to each coefficient's size: a round observed at one
-        # width corrects intercept and slope in proportion.
-        self.P0 = np.diag((rel_uncertainty * self.theta0) ** 2)
-        self.noise, self.forget = noise ** 2, forget
-        self._fits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._widths: dict[int, set] = {}  # widths observed per band
+    BANDS = tuple(1024 << i for i in range(8))  # 1K .. 128K
+
+    def __init__(self, prior=(1e-3, 3e-4), per_width=8, rest_window=32):
+        self.prior = (float(prior[0]), float(prior[1]))
+        self.per_width, self.rest_window = per_width, rest_window
+        self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
+        self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
+        self._rest: dict[int, list] = {}    # band -> recent rest times
         self.samples = 0
 
-    @staticmethod
-    def _phi(w, ctx):
-        c = ctx / 4096.0
-        return np.array([1.0, w, c, w * c])
-
     def _band(self, ctx) -> int:
-        b = int(np.searchsorted(self.BANDS, ctx, side="right"))
-        if b not in self._fits:
-            self._fits[b] = (self.theta0.copy(), self.P0.copy())
-        return b
+        return int(np.searchsorted(self.BANDS, ctx, side="right"))
+
+    def widths_seen(self, ctx) -> set:
+        return set(self._obs.get(self._band(ctx), ()))
 
     def calibrated(self, ctx) -> bool:
-        """Has the band of ctx seen rounds of two widths or more (enough to separate intercept
-        and slope)? If not, the decoder measures a calibration round first."""
-        return len(self._widths.get(self._band(ctx), ())) >= 2
+        """Has the band of ctx seen verifies of two widths or more (enough to separate
+        intercept and slope)? If not, the decoder measures a calibration round first."""
+        return len(self.widths_seen(ctx)) >= 2
+
+    def verify_line(self, ctx) -> tuple[float, float]:
+        """(a, b): predicted verify seconds a + b*w at ctx, a >= 0 and b >= 0. Fitted to the
+        median timing of each width seen (its last `per_width`), so a width verified in most
+        rounds counts once, like one verified once."""
+        band = self._band(ctx)
+        line = self._lines.get(band)
+        if line is None:
+            line = self.prior
+            obs = self._obs.get(band, {})
+            if len(obs) >= 2:
+                ws = sorted(obs)
+                med = [statistics.median(obs[w]) for w in ws]
+                slopes = [(med[j] - med[i]) / (ws[j] - ws[i])
+                          for i in range(len(ws)) for j in range(i + 1, len(ws))]
+                b = max(statistics.median(slopes), 0.0)
+                line = (max(statistics.median(t - b * w for w, t in zip(ws, med)), 0.0), b)
+            self._lines[band] = line
+        return line
+
+    def rest(self, ctx) -> float:
+        r = self._rest.get(self._band(ctx))
+        return float(np.median(r)) if r else 0.0
 
     def predict(self, w, ctx) -> float:
         return float(self.predict_widths(np.array([w]), ctx)[0])
 
     def predict_widths(self, ws, ctx) -> np.ndarray:
-        """predict() for an array of widths at one context, in one product."""
-        theta, _ = self._fits[self._band(ctx)]
-        # a wider round never costs less: noisy timings (a shared machine) can fit a negative
-        # width slope, which would send the rule to the widest tree every time
-        theta = np.array([theta[0], max(theta[1], 0.0), theta[2], max(theta[3], 0.0)])
-        ws = np.asarray(ws, np.float64)
-        c = ctx / 4096.0
-        phi = np.stack([np.ones_like(ws), ws, np.full_like(ws, c), ws * c], axis=1)
-        return np.maximum(phi @ theta * self.unit, 1e-7)
+        """predict() for an array of widths at one context."""
+        a, b = self.verify_line(ctx)
+        return np.maximum(self.rest(ctx) + a + b * np.asarray(ws, np.float64), 1e-7)
 
     def observe(self, w, ctx, seconds) -> None:
-        b = self._band(ctx)
-        theta, P = self._fits[b]
-        x = self._phi(w, ctx)
-        Px = P @ x
-        k = Px / (self.noise + x @ Px)
-        theta = theta + k * (seconds / self.unit - x @ theta)
-        P = (P - np.outer(k, Px)) / self.forget
-        self._fits[b] = (theta, P)
-        self._widths.setdefault(b, set()).add(int(w))
+        """A verify of a w-node tree at ctx took `seconds`."""
+        band = self._band(ctx)
+        times = self._obs.setdefault(band, {}).setdefault(int(w), [])
+        times.append(float(seconds))
+        del times[:-self.per_width]
+        self._lines[band] = None
         self.samples += 1
+
+    def observe_rest(self, ctx, seconds) -> None:
+        """The rest of a round at ctx (its time less its verifies) took `seconds`."""
+        r = self._rest.setdefault(self._band(ctx), [])
+        r.append(float(seconds))
+        del r[:-self.rest_window]
 
 
 class AcceptanceModel:
@@ -161,22 +182,38 @@ class AcceptanceModel:
 
 @dataclass
 class WidthRule:
+    """explore: one round in `explore_every` picks at random among the widths predicted
+    within 10% of the best, so the cost fit keeps timings around the optimum (where its slope
+    matters) and cannot settle on one width while wrong; it costs at most 10% on those rounds.
+    The choice only changes speed, never the output, and the draws come from a seeded
+    generator, so a run is reproducible."""
     max_width: int = 16
     cost: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    explore_every: int = 8
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
-    def rate(self, tree: Tree, ctx: int) -> np.ndarray:
-        """Expected committed tokens per second of every prefix w = 1..tree.width."""
-        e = self.acceptance.expected_tokens(tree)
-        return e / self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
+    def rate(self, tree: Tree, ctx: int, costs=None) -> np.ndarray:
+        """Expected committed tokens per second of every prefix w = 1..tree.width (costs:
+        predicted round times of widths 1.. when already computed)."""
+        if costs is None:
+            costs = self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
+        return self.acceptance.expected_tokens(tree) / costs[:tree.width]
+
+    def _pick(self, rate: np.ndarray) -> int:
+        if self.explore_every and self.rng.random() * self.explore_every < 1:
+            near = np.flatnonzero(rate >= 0.9 * rate.max())
+            return int(self.rng.choice(near)) + 1
+        return int(np.argmax(rate)) + 1
 
     def choose(self, tree: Tree, ctx: int) -> int:
         """Best width for this round's candidate tree (built at max width) at context ctx."""
-        return int(np.argmax(self.rate(tree, ctx))) + 1
+        return self._pick(self.rate(tree, ctx))
 
     def choose_tree(self, candidates, ctx: int) -> Tree:
         """The best prefix of any candidate tree (e.g. the best-first tree and the drafter's
         chain), by the same expected tokens per second."""
-        rates = [self.rate(t, ctx) for t in candidates]
+        costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
+        rates = [self.rate(t, ctx, costs) for t in candidates]
         k = int(np.argmax([r.max() for r in rates]))
-        return candidates[k].prefix(int(np.argmax(rates[k])) + 1)
+        return candidates[k].prefix(self._pick(rates[k]))

@@ -53,8 +53,9 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     res["derived_tokens_per_round"] = (1 + acc).tolist()
     # 2. Forced widths and the rule, timed (decode only: prompt cached), `reps` passes over all
     #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike.
-    #    generate() makes a new width rule whenever the max width changes, so the rule arm keeps
-    #    only what it learned beside the width-16 arm, not what the narrower arms measured.
+    #    The model keeps one width rule, so the rule arm also learns from the forced arms'
+    #    rounds (as a long-running server would from its traffic); the first request of a
+    #    fresh rule is measured apart, in main().
     arms = list(range(1, max_width + 1)) + ["rule"]
     tps = {arm: [] for arm in arms}
     round_s = {w: [] for w in arms[:-1]}
