@@ -65,6 +65,49 @@ class GenerationResult:
     finish_reason: str  # "length" | "stop" | "context"
 
 
+class PlainFallback:
+    """Auto mode's check that speculation pays at all. Drafting and verifying a tree cost more
+    than a plain step; when the draft is often wrong, or verifying extra nodes is expensive
+    (a small model on a CPU is compute-bound), plain decoding emits more tokens per second.
+    After two speculative rounds the decoder times one plain round (no draft, the root alone),
+    then compares running averages: committed tokens per second of speculative rounds against
+    one token per plain round time, and drafts only while speculation wins. While plain wins,
+    a speculative round probes again after 8 plain rounds, then 16, 32, 64 (the acceptance
+    changes along a request). Output is unaffected: a plain round is a width-1 tree."""
+
+    def __init__(self, alpha: float = 0.3, first_probe: int = 8, max_probe: int = 64):
+        self.alpha, self.first_probe, self.max_probe = alpha, first_probe, max_probe
+        self.spec_tokens = self.spec_s = self.plain_s = None
+        self.spec_rounds, self.since_probe, self.probe_every = 0, 0, first_probe
+
+    def _ema(self, old, new):
+        return new if old is None else old + self.alpha * (new - old)
+
+    def skip_draft(self) -> bool:
+        if self.spec_rounds < 2:
+            return False
+        if self.plain_s is None:
+            return True  # measure one plain round
+        if self.spec_tokens / self.spec_s >= 1.0 / self.plain_s:
+            self.probe_every = self.first_probe
+            return False
+        self.since_probe += 1
+        if self.since_probe >= self.probe_every:
+            self.since_probe = 0
+            self.probe_every = min(2 * self.probe_every, self.max_probe)
+            return False
+        return True
+
+    def observe(self, plain: bool, tokens: int, seconds: float) -> None:
+        """A round that committed `tokens` took `seconds`."""
+        if plain:
+            self.plain_s = self._ema(self.plain_s, seconds)
+        else:
+            self.spec_tokens = self._ema(self.spec_tokens, float(tokens))
+            self.spec_s = self._ema(self.spec_s, seconds)
+            self.spec_rounds += 1
+
+
 @dataclass
 class DecodeConfig:
     max_tokens: int = 256
@@ -97,6 +140,8 @@ class Decoder:
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule(max_width=cfg.width or 16)
+        self.plain = PlainFallback()
+        self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
@@ -123,6 +168,8 @@ class Decoder:
         if mode in ("tree", "auto") and not self.cfg.params.tree_eligible:
             return "chain"  # penalties, constraints: always the chain
         if mode == "auto":
+            if self.plain.skip_draft():
+                return "plain"
             return "wide" if self.ema.wide() else "chain"
         return mode
 
@@ -130,10 +177,13 @@ class Decoder:
         """This round's tree, whether it is wide, and its logits when they were already
         computed (a calibration round), else None."""
         rows = min(self.cfg.rows, room - 1)
-        if mode == "off" or rows <= 0:
+        if mode in ("off", "plain") or rows <= 0:
             return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]),
                               np.zeros(1)), False, None
         t0 = time.perf_counter()
+        if self._unsent:  # tokens committed by plain rounds
+            self.drafter.advance(self._unsent)
+            self._unsent = []
         lattice = self.drafter.draft(self.context, root, rows)
         if mode == "chain":
             return trees.chain(root, lattice, rows), False, None
@@ -209,14 +259,20 @@ class Decoder:
                 eng.commit(path)
                 committed = [int(tree.tokens[n]) for n in path]
                 self.context.extend(committed)
-                if self.drafter is not None:
+                if mode == "plain":
+                    self._unsent.extend(committed)  # given to the drafter when it next drafts
+                elif self.drafter is not None:
                     self.drafter.advance(committed)
                 st.cycles += 1
                 st.wide_cycles += int(wide)
                 st.nodes_verified += tree.width
                 st.draft_rows_accepted += len(path) - 1
                 st.widths.append(tree.width)
-                if mode != "off":
+                if mode != "off" and not first_round:
+                    self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round)
+                if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
+                    self.rule.cost.observe(1, eng.position - len(path), self.verify_s)
+                if mode not in ("off", "plain"):
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
                     # the first round after prefill pays warm-up costs; a calibration round
