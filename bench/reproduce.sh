@@ -9,6 +9,7 @@ mkdir -p $R
 python bench/tokens_per_cycle.py --max-tokens 64 --out $R/tokens_per_cycle.json | tee $R/tokens_per_cycle.txt
 sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 3 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
 sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
+sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
 GGUF=()
 if [ -n "${LLAMA_CPP:-}" ]; then
   for t in q8_0 f32; do
@@ -18,4 +19,5 @@ if [ -n "${LLAMA_CPP:-}" ]; then
   done
 fi
 sapwood bench peers --reps 6 ${GGUF[@]:+--gguf "${GGUF[@]}"} --out $R/peers.json | tee $R/peers.txt
-sapwood bench width --depths 0 2048 8192 --reps 2 --max-tokens 64 --out $R/width.json | tee $R/width.txt
+sapwood bench width --depths 0 2048 8192 32768 --reps 2 --max-tokens 64 --out $R/width.json | tee $R/width.txt
+python bench/realistic.py --weights q8 --contexts 64 4096 --reps 6 --json $R/realistic.json | tee $R/realistic.txt
