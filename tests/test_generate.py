@@ -338,7 +338,7 @@ def test_first_wide_round_calibrates_the_cost_model(models, monkeypatch):
     """A fresh width rule times the full tree and the root alone before choosing; the full
     tree's logits then serve the chosen prefix, so the output is still plain decoding's.
     (Speculation with lookup on a random model loses to plain rounds; kept on here.)"""
-    from sapwood.generate import PlainFallback
+    from sapwood.policy import PlainFallback
 
     monkeypatch.setattr(PlainFallback, "skip_draft", lambda self: False)
     target, root = models
@@ -409,6 +409,7 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
     target, _ = models
     p = prompt(12, seed=21)
     off = target.generate(p, max_tokens=80, verify="off").tokens
+    target._width_rule = None  # no history from other tests
     d = WrongDrafter()
     d.start = len(p)
     widths = []
@@ -421,7 +422,7 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
 
 
 def test_plain_fallback_keeps_drafting_while_speculation_wins():
-    from sapwood.generate import PlainFallback
+    from sapwood.policy import PlainFallback
 
     pf = PlainFallback()
     for _ in range(2):
@@ -436,6 +437,36 @@ def test_plain_fallback_keeps_drafting_while_speculation_wins():
         slow.observe(False, 1, 0.004)  # 250 tokens/s speculating
     slow.skip_draft()
     slow.observe(True, 1, 0.002)
-    skips = [slow.skip_draft() for _ in range(40)]
-    # probes after 8, then 16 plain rounds
-    assert skips.count(False) == 2 and skips[7] is False and skips[7 + 16] is False
+    # the first probe after 8 plain rounds; then a probe costs 0.004 - 1 * 0.002 = 0.002 s
+    # beyond plain: within a 5% budget, one per 0.002 / (0.05 * 0.002) = 20 plain rounds
+    assert slow.probe_every() == 20
+    skips = [slow.skip_draft() for _ in range(45)]
+    assert skips.count(False) == 2 and skips[7] is False and skips[7 + 20] is False
+
+
+def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over():
+    from sapwood.policy import PlainFallback
+
+    rule = WidthRule()
+    pf = rule.plain_fallback(100)
+    for _ in range(2):
+        pf.skip_draft()
+        pf.observe(False, 1, 0.004)    # a bad prompt: 250 tokens/s speculating
+    pf.skip_draft()
+    pf.observe(True, 1, 0.002)         # 500 tokens/s plain
+    # the next request in the band starts from that history: plain at once
+    pf2 = rule.plain_fallback(200)
+    assert pf2 is pf and pf2.skip_draft()
+    assert rule.plain_fallback(50000) is not pf  # another band has its own
+    # a good prompt: the request's early probe (after 8 plain rounds) wins and drafting
+    # resumes at once
+    pf2 = rule.plain_fallback(200)
+    assert pf2.prefers_plain()
+    decisions = []
+    for _ in range(8):
+        d = pf2.skip_draft()
+        decisions.append(d)
+        pf2.observe(d, 1 if d else 8, 0.002 if d else 0.004)  # probe: 2000 tokens/s
+    assert decisions == [True] * (len(decisions) - 1) + [False]
+    assert not pf2.skip_draft()
+    assert isinstance(pf2, PlainFallback)

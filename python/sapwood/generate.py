@@ -65,49 +65,6 @@ class GenerationResult:
     finish_reason: str  # "length" | "stop" | "context"
 
 
-class PlainFallback:
-    """Auto mode's check that speculation pays at all. Drafting and verifying a tree cost more
-    than a plain step; when the draft is often wrong, or verifying extra nodes is expensive
-    (a small model on a CPU is compute-bound), plain decoding emits more tokens per second.
-    After two speculative rounds the decoder times one plain round (no draft, the root alone),
-    then compares running averages: committed tokens per second of speculative rounds against
-    one token per plain round time, and drafts only while speculation wins. While plain wins,
-    a speculative round probes again after 8 plain rounds, then 16, 32, 64 (the acceptance
-    changes along a request). Output is unaffected: a plain round is a width-1 tree."""
-
-    def __init__(self, alpha: float = 0.3, first_probe: int = 8, max_probe: int = 64):
-        self.alpha, self.first_probe, self.max_probe = alpha, first_probe, max_probe
-        self.spec_tokens = self.spec_s = self.plain_s = None
-        self.spec_rounds, self.since_probe, self.probe_every = 0, 0, first_probe
-
-    def _ema(self, old, new):
-        return new if old is None else old + self.alpha * (new - old)
-
-    def skip_draft(self) -> bool:
-        if self.spec_rounds < 2:
-            return False
-        if self.plain_s is None:
-            return True  # measure one plain round
-        if self.spec_tokens / self.spec_s >= 1.0 / self.plain_s:
-            self.probe_every = self.first_probe
-            return False
-        self.since_probe += 1
-        if self.since_probe >= self.probe_every:
-            self.since_probe = 0
-            self.probe_every = min(2 * self.probe_every, self.max_probe)
-            return False
-        return True
-
-    def observe(self, plain: bool, tokens: int, seconds: float) -> None:
-        """A round that committed `tokens` took `seconds`."""
-        if plain:
-            self.plain_s = self._ema(self.plain_s, seconds)
-        else:
-            self.spec_tokens = self._ema(self.spec_tokens, float(tokens))
-            self.spec_s = self._ema(self.spec_s, seconds)
-            self.spec_rounds += 1
-
-
 @dataclass
 class DecodeConfig:
     max_tokens: int = 256
@@ -140,7 +97,7 @@ class Decoder:
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule(max_width=cfg.width or 16)
-        self.plain = PlainFallback()
+        self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self.stats = GenerationStats()
         self.context: list[int] = []
@@ -225,8 +182,9 @@ class Decoder:
         self.finish_reason = "length"
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
-        if hasattr(self.drafter, "sync"):  # a draft model prefills the prompt too: count it here
-            self.drafter.sync(self.context)
+        self.plain = self.rule.plain_fallback(len(self.context))
+        if hasattr(self.drafter, "sync") and not (cfg.verify == "auto" and self.plain.prefers_plain()):
+            self.drafter.sync(self.context)  # a draft model prefills the prompt too: count it here
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
