@@ -340,7 +340,7 @@ def test_first_wide_round_calibrates_the_cost_model(models, monkeypatch):
     (Speculation with lookup on a random model loses to plain rounds; kept on here.)"""
     from sapwood.policy import PlainFallback
 
-    monkeypatch.setattr(PlainFallback, "skip_draft", lambda self: False)
+    monkeypatch.setattr(PlainFallback, "skip_draft", lambda self, behind=0: False)
     target, root = models
     p = prompt(20, seed=11)
     off = target.generate(p, max_tokens=24, verify="off").tokens
@@ -432,16 +432,23 @@ def test_plain_fallback_keeps_drafting_while_speculation_wins():
     pf.observe(True, 1, 0.002)        # 500 tokens/s plain
     assert not any(pf.skip_draft() for _ in range(20))
     slow = PlainFallback()
+    slow.begin_request(max_tokens=100)
     for _ in range(2):
         slow.skip_draft()
-        slow.observe(False, 1, 0.004)  # 250 tokens/s speculating
+        slow.observe(False, 1, 0.005, caught_up=10, catch_up_s=0.001)  # 250 tokens/s + catch-up
     slow.skip_draft()
     slow.observe(True, 1, 0.002)
-    # the first probe after 8 plain rounds; then a probe costs 0.004 - 1 * 0.002 = 0.002 s
-    # beyond plain: within a 5% budget, one per 0.002 / (0.05 * 0.002) = 20 plain rounds
-    assert slow.probe_every() == 20
-    skips = [slow.skip_draft() for _ in range(45)]
+    assert slow.catch_up_per_token == pytest.approx(1e-4)
+    # a probe costs 0.004 - 1 * 0.002 = 0.002 s beyond plain, plus 1e-4 s a token behind
+    assert slow.probe_cost(0) == pytest.approx(0.002) and slow.probe_cost(20) == pytest.approx(0.004)
+    # early probe after 8 plain rounds (0.002 <= 10% of 100 tokens x 0.002 s), then within a
+    # 5% budget one per 0.002 / (0.05 * 0.002) = 20 plain rounds
+    skips = [slow.skip_draft(0) for _ in range(45)]
     assert skips.count(False) == 2 and skips[7] is False and skips[7 + 20] is False
+    # far behind (a long deferred prompt): no early probe, and the next one much later
+    slow.begin_request(max_tokens=100)
+    skips = [slow.skip_draft(8192) for _ in range(200)]
+    assert all(skips)
 
 
 def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over():
@@ -460,13 +467,39 @@ def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over()
     assert rule.plain_fallback(50000) is not pf  # another band has its own
     # a good prompt: the request's early probe (after 8 plain rounds) wins and drafting
     # resumes at once
-    pf2 = rule.plain_fallback(200)
+    pf2 = rule.plain_fallback(200, max_tokens=256)
     assert pf2.prefers_plain()
     decisions = []
     for _ in range(8):
         d = pf2.skip_draft()
         decisions.append(d)
         pf2.observe(d, 1 if d else 8, 0.002 if d else 0.004)  # probe: 2000 tokens/s
-    assert decisions == [True] * (len(decisions) - 1) + [False]
+    assert decisions == [True] * 7 + [False]
     assert not pf2.skip_draft()
     assert isinstance(pf2, PlainFallback)
+
+
+def test_drafter_catches_up_in_order_after_plain_rounds_and_a_deferred_prompt(models, monkeypatch):
+    """Plain rounds first (and the draft's prompt prefill deferred), then speculation: the draft
+    model must prefill the prompt and then the skipped tokens, in order. With the target as its
+    own draft, a correct catch-up makes every drafted row accepted."""
+    from sapwood.policy import PlainFallback
+
+    target, root = models
+    p = prompt(15, seed=31)
+    off = target.generate(p, max_tokens=40, verify="off").tokens
+    calls = {"n": 0}
+
+    def skip(self, behind=0):
+        calls["n"] += 1
+        return calls["n"] <= 6  # six plain rounds, then speculate
+
+    monkeypatch.setattr(PlainFallback, "prefers_plain", lambda self: True)
+    monkeypatch.setattr(PlainFallback, "skip_draft", skip)
+    rounds = []
+    r = target.generate(p, max_tokens=40, drafter=str(root / "target"), verify="auto",
+                        on_round=lambda t, path, s: rounds.append((t.width, len(path))))
+    assert r.tokens == off
+    assert [w for w, _ in rounds[:6]] == [1] * 6
+    drafted = [(w, k) for w, k in rounds[6:] if w > 1]
+    assert drafted and all(k == w for w, k in drafted if w <= 9), drafted  # every node accepted

@@ -99,6 +99,8 @@ class Decoder:
         self.rule = rule or WidthRule(max_width=cfg.width or 16)
         self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
+        self._behind = 0              # ... and with a deferred prompt prefill, the prompt too
+        self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
@@ -125,7 +127,7 @@ class Decoder:
         if mode in ("tree", "auto") and not self.cfg.params.tree_eligible:
             return "chain"  # penalties, constraints: always the chain
         if mode == "auto":
-            if self.plain.skip_draft():
+            if self.plain.skip_draft(self._behind):
                 return "plain"
             return "wide" if self.ema.wide() else "chain"
         return mode
@@ -137,10 +139,8 @@ class Decoder:
         if mode in ("off", "plain") or rows <= 0:
             return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]),
                               np.zeros(1)), False, None
+        self._catch_up()
         t0 = time.perf_counter()
-        if self._unsent:  # tokens committed by plain rounds
-            self.drafter.advance(self._unsent)
-            self._unsent = []
         lattice = self.drafter.draft(self.context, root, rows)
         if mode == "chain":
             return trees.chain(root, lattice, rows), False, None
@@ -182,9 +182,12 @@ class Decoder:
         self.finish_reason = "length"
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
-        self.plain = self.rule.plain_fallback(len(self.context))
-        if hasattr(self.drafter, "sync") and not (cfg.verify == "auto" and self.plain.prefers_plain()):
-            self.drafter.sync(self.context)  # a draft model prefills the prompt too: count it here
+        self.plain = self.rule.plain_fallback(len(self.context), cfg.max_tokens)
+        if hasattr(self.drafter, "sync"):
+            if cfg.verify == "auto" and self.plain.prefers_plain():
+                self._behind = len(self.context)  # prefilled when (if) the drafter drafts
+            else:
+                self.drafter.sync(self.context)  # a draft model prefills the prompt too
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
@@ -217,8 +220,9 @@ class Decoder:
                 eng.commit(path)
                 committed = [int(tree.tokens[n]) for n in path]
                 self.context.extend(committed)
-                if mode == "plain":
-                    self._unsent.extend(committed)  # given to the drafter when it next drafts
+                if mode == "plain":  # the drafter catches up when it next drafts
+                    self._unsent.extend(committed)
+                    self._behind += len(committed)
                 elif self.drafter is not None:
                     self.drafter.advance(committed)
                 st.cycles += 1
@@ -227,7 +231,9 @@ class Decoder:
                 st.draft_rows_accepted += len(path) - 1
                 st.widths.append(tree.width)
                 if mode != "off" and not first_round:
-                    self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round)
+                    self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round,
+                                       *self._caught_up)
+                self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, eng.position - len(path), self.verify_s)
                 if mode not in ("off", "plain"):
@@ -246,6 +252,20 @@ class Decoder:
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
             st.decode_s = time.perf_counter() - t_start
+
+    def _catch_up(self) -> None:
+        """Give the drafter what plain rounds (and a deferred prompt) left it behind on, in
+        order: a draft model prefills every context token it has not seen (Drafter.sync),
+        another drafter gets the skipped tokens through advance()."""
+        if not self._behind:
+            return
+        t = time.perf_counter()
+        if hasattr(self.drafter, "sync"):
+            self.drafter.sync(self.context)
+        else:
+            self.drafter.advance(self._unsent)
+        self._caught_up = (self._behind, time.perf_counter() - t)
+        self._unsent, self._behind = [], 0
 
     def _walk(self, tree, logits):
         """From the root, follow the child whose token is the target's pick at each node.

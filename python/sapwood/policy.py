@@ -185,73 +185,80 @@ class PlainFallback:
     """Auto mode's check that speculation pays at all. Drafting and verifying a tree cost more
     than a plain step; when the draft is often wrong, or verifying extra nodes is expensive
     (a small model on a CPU is compute-bound), plain decoding emits more tokens per second.
-    The decoder times speculative rounds and one plain round (no draft, the root alone), then
-    compares running averages: committed tokens per second of speculative rounds against one
-    token per plain round time, and drafts only while speculation wins. While plain wins, a
-    speculative round probes again: once early in each request (a new prompt may suit the
-    draft better), then spaced so that probes cost at most `budget` of the time (a probe also
-    catches the drafter up on the skipped tokens: on the bundled pair it cost ~8 ms against
-    0.8 ms plain rounds, and probing every 8-64 rounds made auto 15% slower than plain
-    decoding); a probe that beats plain switches back at once (its own rate replaces the
-    average). Kept across requests (per context band, in the WidthRule), so a
-    request starts from what the last ones measured. Output is unaffected: a plain round is a
-    width-1 tree."""
 
-    def __init__(self, alpha: float = 0.3, budget: float = 0.05, first_probe: int = 8):
+    The decoder times speculative rounds and plain rounds (no draft, the root alone) and
+    drafts only while speculative rounds commit more tokens per second (running average) than
+    plain ones (median of recent rounds). While plain wins, the drafter is left behind (it
+    catches up on the skipped tokens, and on the prompt when its prefill was deferred, before
+    it next drafts), and a speculative round probes again when due: probes cost a speculative
+    round's excess over plain rounds plus the catch-up (tokens behind x the drafter's measured
+    time per token), and are spaced to cost at most `budget` of the time. Each request also
+    gets one early probe after `first_probe` plain rounds (a new prompt may suit the draft far
+    better) when that costs at most `early_budget` of the request's expected time. A probe
+    that beats plain switches back at once. Kept across requests, per context band, in the
+    WidthRule. Output is unaffected: a plain round is a width-1 tree."""
+
+    def __init__(self, alpha: float = 0.3, budget: float = 0.05, first_probe: int = 8,
+                 early_budget: float = 0.1):
         self.alpha, self.budget, self.first_probe = alpha, budget, first_probe
-        self._next_probe = first_probe
+        self.early_budget = early_budget
         self.spec_tokens = self.spec_s = self.plain_s = None
         self._plain_times: list[float] = []  # plain_s is their median: robust to a slow spell
-        self.probe_extra_s = None  # what a probe costs beyond plain rounds emitting its tokens
+        self.catch_up_per_token = None        # the drafter's seconds per caught-up token
         self.spec_rounds, self.since_probe = 0, 0
-        self._probing = False
+        self._probing, self._early, self._max_tokens = False, False, 0
 
     def _ema(self, old, new):
         return new if old is None else old + self.alpha * (new - old)
 
-    def begin_request(self) -> None:
-        # a new prompt may suit the draft far better or worse than the last: probe early once
+    def begin_request(self, max_tokens: int = 256) -> None:
         self.since_probe, self._probing = 0, False
-        self._next_probe = self.first_probe
+        self._early, self._max_tokens = True, int(max_tokens)
 
     def prefers_plain(self) -> bool:
-        """Would the next round be plain (nothing probed)? The decoder then leaves the drafter's
-        prompt prefill until it drafts, out of the time to first token."""
+        """Would the next round be plain (nothing probed)? The decoder then defers the
+        drafter's prompt prefill until it drafts, out of the time to first token."""
         return (self.spec_rounds >= 2 and self.plain_s is not None
                 and self.spec_tokens / self.spec_s < 1.0 / self.plain_s)
 
-    def probe_every(self) -> int:
-        """Plain rounds between probes: a probe's extra cost over `budget` of a plain round."""
-        return max(self.first_probe,
-                   int(np.ceil((self.probe_extra_s or 0.0) / (self.budget * self.plain_s))))
+    def probe_cost(self, behind: int) -> float:
+        """Seconds a probe costs beyond plain rounds emitting the same tokens."""
+        extra = max(self.spec_s - self.spec_tokens * self.plain_s, 0.0)
+        return extra + behind * (self.catch_up_per_token or 0.0)
 
-    def skip_draft(self) -> bool:
+    def skip_draft(self, behind: int = 0) -> bool:
+        """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
         if self.spec_rounds < 2:
             return False
         if self.plain_s is None:
-            return True  # measure one plain round
-        if self.spec_tokens / self.spec_s >= 1.0 / self.plain_s:
+            return True  # measure a plain round
+        if not self.prefers_plain():
             return False
         self.since_probe += 1
-        if self.since_probe >= self._next_probe:
-            self.since_probe = 0
-            self._next_probe = self.probe_every()
-            self._probing = True
+        cost = self.probe_cost(behind)
+        if self._early and self.since_probe >= self.first_probe:
+            self._early = False
+            due = cost <= self.early_budget * self._max_tokens * self.plain_s
+        else:
+            due = self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s))
+        if due:
+            self.since_probe, self._early, self._probing = 0, False, True
             return False
         return True
 
-    def observe(self, plain: bool, tokens: int, seconds: float) -> None:
-        """A round that committed `tokens` took `seconds`."""
+    def observe(self, plain: bool, tokens: int, seconds: float, caught_up: int = 0,
+                catch_up_s: float = 0.0) -> None:
+        """A round that committed `tokens` took `seconds`, of which `catch_up_s` caught the
+        drafter up on `caught_up` tokens."""
         if plain:
             self._plain_times.append(seconds)
             del self._plain_times[:-16]
             self.plain_s = statistics.median(self._plain_times)
-            if self.probe_extra_s is None and self.spec_s is not None:
-                self.probe_extra_s = max(self.spec_s - self.spec_tokens * self.plain_s, 0.0)
             return
-        if self._probing:  # a probe's own cost (it catches the drafter up on skipped tokens)
-            self.probe_extra_s = max(seconds - tokens * self.plain_s, 0.0)
+        if caught_up:
+            self.catch_up_per_token = self._ema(self.catch_up_per_token, catch_up_s / caught_up)
+        seconds -= catch_up_s
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self.spec_tokens, self.spec_s = float(tokens), seconds
         else:
@@ -274,10 +281,10 @@ class WidthRule:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     fallbacks: dict = field(default_factory=dict)  # context band -> PlainFallback
 
-    def plain_fallback(self, ctx: int) -> PlainFallback:
+    def plain_fallback(self, ctx: int, max_tokens: int = 256) -> PlainFallback:
         """The PlainFallback of ctx's band, ready for a new request."""
         pf = self.fallbacks.setdefault(self.cost._band(ctx), PlainFallback())
-        pf.begin_request()
+        pf.begin_request(max_tokens)
         return pf
 
     def rate(self, tree: Tree, ctx: int, costs=None) -> np.ndarray:
