@@ -186,8 +186,10 @@ class Decoder:
         if hasattr(self.drafter, "sync"):
             if cfg.verify == "auto" and self.plain.prefers_plain():
                 self._behind = len(self.context)  # prefilled when (if) the drafter drafts
-            else:
-                self.drafter.sync(self.context)  # a draft model prefills the prompt too
+            else:  # a draft model prefills the prompt too (timed: it prices the catch-ups)
+                t = time.perf_counter()
+                self.drafter.sync(self.context)
+                self.plain.observe_catch_up(len(self.context), time.perf_counter() - t)
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()

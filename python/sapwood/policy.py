@@ -247,6 +247,12 @@ class PlainFallback:
             return False
         return True
 
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The drafter took `seconds` to take in `tokens` context tokens (a prompt prefill or a
+        catch-up)."""
+        if tokens:
+            self.catch_up_per_token = self._ema(self.catch_up_per_token, seconds / tokens)
+
     def observe(self, plain: bool, tokens: int, seconds: float, caught_up: int = 0,
                 catch_up_s: float = 0.0) -> None:
         """A round that committed `tokens` took `seconds`, of which `catch_up_s` caught the
@@ -256,8 +262,7 @@ class PlainFallback:
             del self._plain_times[:-16]
             self.plain_s = statistics.median(self._plain_times)
             return
-        if caught_up:
-            self.catch_up_per_token = self._ema(self.catch_up_per_token, catch_up_s / caught_up)
+        self.observe_catch_up(caught_up, catch_up_s)
         seconds -= catch_up_s
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self.spec_tokens, self.spec_s = float(tokens), seconds
