@@ -73,7 +73,6 @@ void rms_norm(const float* x, const float* w1, int n, int dim, float eps, float*
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 // Rotate-half RoPE on the first rot dims of each head; angles in double from the position.
@@ -166,6 +165,7 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
   else
     g.verify(qkv.data(), gdec.data(), beta.data(), lay.parents.data(), n, o.data(), threads_);
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
+  kernels().silu_mul(z.data(), nullptr, z.data(), z.size());
   for (int i = 0; i < n; ++i)
     for (int hh = 0; hh < hv; ++hh) {
       float* oh = o.data() + size_t(i) * V + size_t(hh) * dv;
@@ -173,7 +173,7 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
       float ss = 0.0f;
       for (int j = 0; j < dv; ++j) ss = std::fmaf(oh[j], oh[j], ss);
       const float inv = 1.0f / std::sqrt(ss / float(dv) + d_.eps);
-      for (int j = 0; j < dv; ++j) oh[j] = L.gnorm[j] * (oh[j] * inv) * silu(zh[j]);
+      for (int j = 0; j < dv; ++j) oh[j] = L.gnorm[j] * (oh[j] * inv) * zh[j];
     }
   mm(L.out, o.data(), n, out);
 }
@@ -250,7 +250,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
     rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
     mm(L.gate, h.data(), n, g.data());
     mm(L.up, h.data(), n, u.data(), /*same_x=*/true);
-    for (size_t i = 0; i < g.size(); ++i) g[i] = silu(g[i]) * u[i];
+    kernels().silu_mul(g.data(), u.data(), g.data(), g.size());
     mm(L.down, g.data(), n, mix.data());
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
   }

@@ -81,6 +81,8 @@ struct KernelTable {
   void (*gdn_conv)(const GDNConvProblem&, int threads);
   void (*gdn_tree)(const GDNTreeProblem&, int threads);
   void (*matmul)(const MatmulProblem&, int threads);
+  // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc
+  void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.
