@@ -74,7 +74,7 @@ def matmul_on_every_isa(m, x):
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out,cols,rows", [(50, 160, 7), (64, 256, 16), (37, 288, 1), (9, 32, 5),
-                                           (6, 64, 2), (11, 96, 3)])
+                                           (6, 64, 2), (11, 96, 3), (150, 96, 1), (200, 64, 3)])
 def test_kernel_variants_bitwise(fmt, out, cols, rows):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((out, cols)).astype(np.float32)
