@@ -28,6 +28,7 @@ class Tree:
     def __post_init__(self):
         if self.q is None:
             self.q = np.zeros(self.tokens.size)
+
     @property
     def width(self) -> int:
         return int(self.tokens.size)
@@ -38,6 +39,8 @@ class Tree:
 
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
+        if self.tokens.size == 1:  # plain rounds: no children, and no numpy per token
+            return -1
         hit = np.nonzero((self.parents == node) & (self.tokens == token))[0]
         return int(hit[0]) if hit.size else -1
 
