@@ -1,4 +1,8 @@
-"""Speculation policy: the admission EMA (chain or wide?) and the width rule (how wide?).
+"""Speculation policy: the plain fallback (draft at all?), the admission EMA (chain or wide?)
+and the width rule (how wide?).
+
+Plain fallback (PlainFallback, an addition to DESIGN.md): auto drafts only while speculative
+rounds commit more tokens per second than plain ones, probing again at a bounded cost.
 
 Admission EMA (DESIGN.md): `avg` starts at R; after each cycle avg += alpha * (retained - avg)
 with `retained` the draft rows the committed path kept; the next cycle goes wide only while
@@ -9,9 +13,9 @@ Width rule: choose w in [1, max_width] maximising expected committed tokens per 
 where a(rank, confidence) is the calibrated chance that the target picks a candidate of that
 rank and draft probability given its parent was reached (Beta counts over every verified node
 whose parent was on the committed path), and t is a cost model of a whole round (CostModel): the
-rest of the round (drafting, growth, walk, commit) plus the engine's verify, linear in features
-[1, w, ctx, w*ctx], fitted robustly from every round's verify time (not one timing per width),
-seeded from a prior and kept per context band across requests. The first wide round in a band
+rest of the round (drafting, growth, walk, commit) plus the engine's verify, a line in w per
+context band fitted robustly (Theil-Sen) to recent verify timings, seeded from a prior and kept
+across requests. The first wide round in a band
 the model has not seen is a calibration round: the decoder times the full tree and the root
 alone (the full tree's logits serve every prefix, so only the root's verify is extra) and feeds
 both to the fit before choosing, so even a fresh process's first request starts from measured
@@ -263,7 +267,7 @@ class PlainFallback:
             self.plain_s = statistics.median(self._plain_times)
             return
         self.observe_catch_up(caught_up, catch_up_s)
-        seconds -= catch_up_s
+        seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self.spec_tokens, self.spec_s = float(tokens), seconds
         else:
@@ -274,7 +278,10 @@ class PlainFallback:
 
 @dataclass
 class WidthRule:
-    """explore: one round in `explore_every` picks at random among the widths predicted
+    """The policy state a model keeps across requests: the cost model, the acceptance
+    calibration and the plain fallbacks, and the choice of a round's width from them.
+
+    explore: one round in `explore_every` picks at random among the widths predicted
     within 10% of the best, so the cost fit keeps timings around the optimum (where its slope
     matters) and cannot settle on one width while wrong; it costs at most 10% on those rounds.
     The choice only changes speed, never the output, and the draws come from a seeded
