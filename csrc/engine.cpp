@@ -174,8 +174,11 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       const std::vector<float> row = prefill_chunks({tok}, false, P + r);
-      draft_tokens_.push_back(tok);
-      draft_states_.push_back(committed_gdn());
+      // a bounded copy per row, and only a prefix of the rows
+      if (draft_states_.size() == size_t(r) && size_t(r + 1) * gdn_state_bytes() <= kDraftKeepBytes) {
+        draft_tokens_.push_back(tok);
+        draft_states_.push_back(committed_gdn());
+      }
       std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
       tok = draft_pick(row.data(), V, temperature, seed, uint64_t(P + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);

@@ -37,6 +37,9 @@ class Engine {
   // chain kept, and return its length m; the caller then prefills tokens[m:]. The result is
   // the state prefill(tokens[0..m)) gives. Any other call drops what the chain kept.
   int keep_draft(const std::vector<int>& tokens);
+  // The GDN states a draft chain keeps, at most (rows past it are not kept): a small draft
+  // keeps every row; a large one (19 MB of state for a 0.66B shape) only its first rows.
+  static constexpr size_t kDraftKeepBytes = size_t(64) << 20;
   static constexpr int kDraftSampleTop = 256;  // the tail past it has almost no mass
   // draft_chain ranked for a drafter: per row the chain's pick, then the k-1 other most likely
   // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
