@@ -56,23 +56,27 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     #    The model keeps one width rule, so the rule arm also learns from the forced arms'
     #    rounds (as a long-running server would from its traffic); the first request of a
     #    fresh rule is measured apart, in main().
-    arms = list(range(1, max_width + 1)) + ["rule"]
+    arms = list(range(1, max_width + 1)) + ["rule", "plain"]  # plain: no draft, a reference
     tps = {arm: [] for arm in arms}
-    round_s = {w: [] for w in arms[:-1]}
+    widths = arms[:-2]
+    round_s = {w: [] for w in widths}
     rule_widths = []
     for rep in range(reps):
         for arm in (arms if rep % 2 == 0 else arms[::-1]):
             if arm == "rule":
                 r = model.generate(ids, verify="auto", width=max_width, **gen,
                                    on_round=lambda t, p, s: rule_widths.append(t.width))
+            elif arm == "plain":
+                r = model.generate(ids, verify="off", **gen)
             else:
                 r = model.generate(ids, verify="tree", width=arm, **gen,
                                    on_round=lambda t, p, s, w=arm: round_s[w].append(s))
             tps[arm].append(r.stats.decode_tokens_per_s)
     med = {arm: float(np.median(x)) for arm, x in tps.items()}
-    res["fixed_tokens_per_s"] = [med[w] for w in arms[:-1]]
-    res["fixed_tokens_per_s_samples"] = [tps[w] for w in arms[:-1]]
-    res["round_ms"] = [1e3 * float(np.median(round_s[w])) for w in arms[:-1]]
+    res["fixed_tokens_per_s"] = [med[w] for w in widths]
+    res["fixed_tokens_per_s_samples"] = [tps[w] for w in widths]
+    res["round_ms"] = [1e3 * float(np.median(round_s[w])) for w in widths]
+    res["plain_tokens_per_s"], res["rule_over_plain"] = med["plain"], med["rule"] / med["plain"]
     res["derived_tokens_per_s"] = [(1 + a) / (ms / 1e3) for a, ms in zip(acc, res["round_ms"])]
     best = int(np.argmax(res["fixed_tokens_per_s"]))
     res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, med[best + 1]
@@ -84,7 +88,8 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     log(f"depth {len(ids):>6}: best fixed w={best + 1} {med[best + 1]:.1f} tok/s; rule "
         f"{med['rule']:.1f} tok/s (x{res['rule_ratio']:.3f}, paired per pass "
         f"{res['rule_ratio_paired']['median']:.3f} [{min(paired):.3f}, {max(paired):.3f}]); "
-        f"mean rule width {np.mean(rule_widths) if rule_widths else 0:.1f}")
+        f"mean rule width {np.mean(rule_widths) if rule_widths else 0:.1f}; plain decoding "
+        f"{med['plain']:.1f} tok/s")
     return res
 
 
@@ -101,9 +106,12 @@ def plot(results, path):
         line, = ax.plot(w, r["fixed_tokens_per_s"], marker=".", label=f"depth {r['depth']}")
         wr = np.mean(r["rule_widths"]) if r["rule_widths"] else 1
         ax.plot([wr], [r["rule_tokens_per_s"]], marker="*", markersize=14, color=line.get_color())
+        if "plain_tokens_per_s" in r:
+            ax.axhline(r["plain_tokens_per_s"], ls=":", lw=1, color=line.get_color())
     ax.set_xlabel("tree width (verified nodes)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("fixed widths (lines) and the width rule (stars, at its mean width)")
+    ax.set_title("fixed widths (lines), the width rule (stars, at its mean width),\n"
+                 "plain decoding (dotted)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -140,10 +148,11 @@ def main(a) -> int:
         res["first_request_rule_tokens_per_s"] = first
         res["first_request_ratio"] = first / res["best_fixed_tokens_per_s"]
         out["depths"].append(res)
-    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio")
+    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio  plain_tok/s  rule/plain")
     for r in out["depths"]:
         print(f"{r['depth']:>6} {r['best_fixed_width']:>6} {r['best_fixed_tokens_per_s']:>10.1f} "
-              f"{r['rule_tokens_per_s']:>10.1f} {r['rule_ratio']:>6.3f} {r['first_request_ratio']:>8.3f}")
+              f"{r['rule_tokens_per_s']:>10.1f} {r['rule_ratio']:>6.3f} {r['first_request_ratio']:>8.3f} "
+              f"{r['plain_tokens_per_s']:>12.1f} {r['rule_over_plain']:>10.3f}")
     out["plot"] = plot(out["depths"], Path(a.out).with_suffix(".png"))
     print(f"plot: {out['plot']}")
     sha = dump_json(out, a.out)
