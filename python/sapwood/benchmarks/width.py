@@ -7,7 +7,6 @@ or acceptance history) is reported separately.
 from __future__ import annotations
 
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
