@@ -169,13 +169,13 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   // K/V. The state after every row is kept too: keep_draft() adopts the rows the target then
   // commits instead of prefilling them again.
   const std::vector<GDNLayer::Committed> saved = committed_gdn();
+  const size_t keep_rows = kDraftKeepBytes / std::max<size_t>(gdn_state_bytes(), 1);
   std::vector<float> out(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       const std::vector<float> row = prefill_chunks({tok}, false, P + r);
-      // a bounded copy per row, and only a prefix of the rows
-      if (draft_states_.size() == size_t(r) && size_t(r + 1) * gdn_state_bytes() <= kDraftKeepBytes) {
+      if (size_t(r) < keep_rows) {  // a bounded copy per row, for a prefix of the rows
         draft_tokens_.push_back(tok);
         draft_states_.push_back(committed_gdn());
       }
@@ -199,13 +199,13 @@ int Engine::keep_draft(const std::vector<int>& tokens) {
   int m = 0;
   while (m < int(tokens.size()) && m < int(draft_tokens_.size()) && tokens[m] == draft_tokens_[m])
     ++m;
+  std::vector<GDNLayer::Committed> state;
+  if (m > 0) state = std::move(draft_states_[m - 1]);
+  begin_change();  // drops the kept rows: the state moves on
   if (m > 0) {
-    const std::vector<GDNLayer::Committed> state = std::move(draft_states_[m - 1]);
-    begin_change();
     restore_gdn(state);
     seq_->set_length(position() + m);
   }
-  begin_change();
   return m;
 }
 

@@ -12,9 +12,9 @@ void set_default_threads(int threads);
 
 // The thread count for a region of about `work` multiply-adds (or element updates): 1 below
 // min_parallel_work() (default 2^15), where handing jobs to a helper costs more than it saves.
-// Within a forward the helper is still spinning from the previous region, so a hand-off costs
-// a few microseconds (~30K MACs); a one-token verify of the bundled 11M target took 0.66 ms at
-// 2^14-2^16 and 1.1-1.4 ms at 2^20 (2-core Zen 3 VM, ABBA over 6 passes of 100 calls). Thread
+// Within a forward the helper is still spinning from the previous region, so a hand-off is
+// cheap: a one-token verify of the bundled 11M target took 0.61-0.74 ms at 2^14-2^16 and
+// 1.06-1.37 ms at 2^20 (2-core Zen 3 VM, ABBA over 6 passes of 100 calls). Thread
 // counts never change results; tests set the threshold to 0 so every region runs its parallel
 // path.
 long long min_parallel_work();

@@ -195,7 +195,7 @@ def test_admission_ema_scripted():
 def simulated_rule(cost_fn, chances, ctx):
     """A width rule trained on a simulated cost model (rounds at many widths) and acceptance
     chances by rank. No exploration: the test is of the rule's best choice."""
-    rule = WidthRule(max_width=16, explore_every=0)
+    rule = WidthRule(explore_every=0)
     rng = np.random.default_rng(0)
     for _ in range(400):
         w = int(rng.integers(1, 17))
@@ -390,8 +390,8 @@ class WrongDrafter:
     """Proposes tokens the target never picks (ids above the tiny model's likely range are
     still valid ids); counts how many tokens it was given."""
 
-    def __init__(self):
-        self.given = 0
+    def __init__(self, start):
+        self.start, self.given = start, 0  # start: the prompt's length
 
     def advance(self, committed):
         self.given += len(committed)
@@ -410,8 +410,7 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
     p = prompt(12, seed=21)
     off = target.generate(p, max_tokens=80, verify="off").tokens
     target._width_rule = None  # no history from other tests
-    d = WrongDrafter()
-    d.start = len(p)
+    d = WrongDrafter(len(p))
     widths = []
     r = target.generate(p, max_tokens=80, drafter=d, verify="auto",
                         on_round=lambda t, path, s: widths.append(t.width))

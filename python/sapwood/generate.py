@@ -96,11 +96,12 @@ class Decoder:
         if hasattr(drafter, "set_sampling"):  # a model drafter follows the sampler's noise
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
-        self.rule = rule or WidthRule(max_width=cfg.width or 16)
+        self.rule = rule or WidthRule()
         self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self._behind = 0              # ... and with a deferred prompt prefill, the prompt too
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
+        self.verify_s = 0.0           # this round's verify time(s)
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
@@ -232,18 +233,18 @@ class Decoder:
                 st.nodes_verified += tree.width
                 st.draft_rows_accepted += len(path) - 1
                 st.widths.append(tree.width)
+                ctx = eng.position - len(path)  # the round's context
                 if mode != "off" and not first_round:
                     self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round,
                                        *self._caught_up)
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
-                    self.rule.cost.observe(1, eng.position - len(path), self.verify_s)
+                    self.rule.cost.observe(1, ctx, self.verify_s)
                 if mode not in ("off", "plain"):
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
                     # the first round after prefill pays warm-up costs; a calibration round
                     # has fed its own verify timings
-                    ctx = eng.position - len(path)
                     if not first_round and not calibration:
                         self.rule.cost.observe(tree.width, ctx, self.verify_s)
                     if not first_round:

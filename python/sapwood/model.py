@@ -115,7 +115,6 @@ class Model:
         # the request's verify mode or largest width
         if self._width_rule is None:
             self._width_rule = WidthRule()
-        self._width_rule.max_width = width or 16
         self.engine.reset()
         dec = Decoder(self.engine, d, cfg, rule=self._width_rule, on_round=on_round)
 

@@ -8,7 +8,7 @@ Admission EMA (DESIGN.md): `avg` starts at R; after each cycle avg += alpha * (r
 with `retained` the draft rows the committed path kept; the next cycle goes wide only while
 avg < threshold. High chain acceptance means the chain already captures the draft's value.
 
-Width rule: choose w in [1, max_width] maximising expected committed tokens per second,
+Width rule: choose w in [1, the request's largest width] maximising expected committed tokens per second,
     E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, q_n)
 where a(rank, confidence) is the calibrated chance that the target picks a candidate of that
 rank and draft probability given its parent was reached (Beta counts over every verified node
@@ -286,7 +286,6 @@ class WidthRule:
     matters) and cannot settle on one width while wrong; it costs at most 10% on those rounds.
     The choice only changes speed, never the output, and the draws come from a seeded
     generator, so a run is reproducible."""
-    max_width: int = 16
     cost: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     explore_every: int = 8

@@ -54,7 +54,8 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
 
     A node's chance is its parent's times its candidate's probability: the drafter's, or, when
     `chance(ranks, logprobs)` is given (arrays in, array out), the calibrated probability that
-    the target accepts a candidate of that rank and draft log-probability (made non-increasing in rank, so siblings still pop in rank order).
+    the target accepts a candidate of that rank and draft log-probability (made non-increasing
+    in rank, so siblings still pop in rank order).
     Calibrated chances keep a confident drafter's chain deep instead of spending the width on
     unlikely siblings near the root.
 
@@ -72,7 +73,7 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     if chance is not None and tokens:
         ks = [len(t) for t in tokens]
         c = np.asarray(chance(np.concatenate([np.arange(k) for k in ks]),
-                              np.concatenate([np.asarray(lp, float) for lp in logprobs])), float)
+                              np.array([q for lp in logprobs for q in lp])), float)
         bounds = np.cumsum([0] + ks)
         steps = [np.log(np.maximum(np.minimum.accumulate(c[bounds[r]:bounds[r + 1]]), 1e-12)).tolist()
                  for r in range(len(ks))]
