@@ -76,7 +76,6 @@ class CostModel:
         self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
         self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
         self._rest: dict[int, list] = {}    # band -> recent rest times
-        self.samples = 0
 
     def _band(self, ctx) -> int:
         return bisect.bisect_right(self.BANDS, ctx)  # per round: plain Python, not numpy
@@ -127,7 +126,6 @@ class CostModel:
         times.append(float(seconds))
         del times[:-self.per_width]
         self._lines[band] = None
-        self.samples += 1
 
     def observe_rest(self, ctx, seconds) -> None:
         """The rest of a round at ctx (its time less its verifies) took `seconds`."""
