@@ -166,19 +166,17 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   seq_->reserve(P + rows);
   // Commit one token per row, then roll back: the GDN layers are restored from a copy, and
   // the length goes back to P while the pages stay reserved, so positions P.. keep the chain's
-  // K/V. The state after every row is kept too: keep_draft() adopts the rows the target then
-  // commits instead of prefilling them again.
-  const std::vector<GDNLayer::Committed> saved = committed_gdn();
-  const size_t keep_rows = kDraftKeepBytes / std::max<size_t>(gdn_state_bytes(), 1);
+  // K/V. Every row's GDN token is kept too: keep_draft() adopts the rows the target then
+  // commits as pending tokens instead of prefilling them again.
+  std::vector<GDNLayer::Committed> saved = committed_gdn();
   std::vector<float> out(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       const std::vector<float> row = prefill_chunks({tok}, false, P + r);
-      if (size_t(r) < keep_rows) {  // a bounded copy per row, for a prefix of the rows
-        draft_tokens_.push_back(tok);
-        draft_states_.push_back(committed_gdn());
-      }
+      draft_tokens_.push_back(tok);
+      draft_gdn_.emplace_back();
+      for (const GDNLayer& g : gdn_) draft_gdn_.back().push_back(g.last_token());
       std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
       tok = draft_pick(row.data(), V, temperature, seed, uint64_t(P + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);
@@ -189,7 +187,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
     seq_->truncate(P);
     throw;
   }
-  restore_gdn(saved);
+  restore_gdn(std::move(saved));
   seq_->set_length(P);
   return out;
 }
@@ -199,20 +197,21 @@ int Engine::keep_draft(const std::vector<int>& tokens) {
   int m = 0;
   while (m < int(tokens.size()) && m < int(draft_tokens_.size()) && tokens[m] == draft_tokens_[m])
     ++m;
-  std::vector<GDNLayer::Committed> state;
-  if (m > 0) state = std::move(draft_states_[m - 1]);
-  begin_change();  // drops the kept rows: the state moves on
-  if (m > 0) {
-    restore_gdn(state);
-    seq_->set_length(position() + m);
+  // the chain restored the state before it: its first m rows follow as pending tokens
+  std::vector<const GDNLayer::Token*> rows(m);
+  for (size_t l = 0; l < gdn_.size(); ++l) {
+    for (int r = 0; r < m; ++r) rows[r] = &draft_gdn_[r][l];
+    gdn_[l].append_pending(rows.data(), m, threads_);
   }
+  begin_change();  // drops the kept rows: the state moves on
+  seq_->set_length(position() + m);
   return m;
 }
 
 void Engine::begin_change() {
   tape_parents_.clear();
   draft_tokens_.clear();
-  draft_states_.clear();
+  draft_gdn_.clear();
 }
 
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
@@ -257,8 +256,8 @@ std::vector<GDNLayer::Committed> Engine::committed_gdn() const {
   return c;
 }
 
-void Engine::restore_gdn(const std::vector<GDNLayer::Committed>& c) {
-  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].restore(c[i]);
+void Engine::restore_gdn(std::vector<GDNLayer::Committed> c) {
+  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].restore(std::move(c[i]));
 }
 
 void Engine::reset() {

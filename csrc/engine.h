@@ -33,13 +33,11 @@ class Engine {
   std::vector<float> draft_chain(int root, int rows, double temperature = 0.0, uint64_t seed = 0,
                                  std::vector<int>* chain = nullptr);
   // After a draft chain: adopt the longest prefix of `tokens` (the target's committed tokens)
-  // that equals the chain's processed tokens (root, a1, ...) as committed, from the states the
-  // chain kept, and return its length m; the caller then prefills tokens[m:]. The result is
-  // the state prefill(tokens[0..m)) gives. Any other call drops what the chain kept.
+  // that equals the chain's processed tokens (root, a1, ...) as committed, from what the
+  // chain kept (their K/V rows, and per GDN layer their pending-tape entries), and return its
+  // length m; the caller then prefills tokens[m:]. The result is the state
+  // prefill(tokens[0..m)) gives. Any other call drops what the chain kept.
   int keep_draft(const std::vector<int>& tokens);
-  // The GDN states a draft chain keeps, at most (rows past it are not kept): a small draft
-  // keeps every row; a large one (19 MB of state for a 0.66B shape) only its first rows.
-  static constexpr size_t kDraftKeepBytes = size_t(64) << 20;
   static constexpr int kDraftSampleTop = 256;  // the tail past it has almost no mass
   // draft_chain ranked for a drafter: per row the chain's pick, then the k-1 other most likely
   // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
@@ -68,7 +66,7 @@ class Engine {
   void check_tokens(const std::vector<int>& tokens) const;
   std::vector<float> prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P);
   std::vector<GDNLayer::Committed> committed_gdn() const;
-  void restore_gdn(const std::vector<GDNLayer::Committed>& c);
+  void restore_gdn(std::vector<GDNLayer::Committed> c);
   void begin_change();  // any change of state: drops the verify tape and the kept draft
 
   ModelDims dims_;
@@ -80,7 +78,7 @@ class Engine {
   std::vector<KVTape> tape_;
   std::vector<int> tape_parents_;   // empty: no verify to commit
   std::vector<int> draft_tokens_;   // the last draft chain's processed tokens, and
-  std::vector<std::vector<GDNLayer::Committed>> draft_states_;  // the GDN state after each
+  std::vector<std::vector<GDNLayer::Token>> draft_gdn_;  // each one's token per GDN layer
 };
 
 }  // namespace sapwood

@@ -39,8 +39,9 @@ void GDNLayer::reset() {
   tape_n_ = 0;
 }
 
-void GDNLayer::restore(const Committed& c) {
-  S_ = c.S, window_ = c.window, pk_ = c.pk, pv_ = c.pv, pg_ = c.pg, pbeta_ = c.pbeta;
+void GDNLayer::restore(Committed c) {
+  S_ = std::move(c.S), window_ = std::move(c.window), pk_ = std::move(c.pk);
+  pv_ = std::move(c.pv), pg_ = std::move(c.pg), pbeta_ = std::move(c.pbeta);
   n_pending_ = c.n_pending;
   tape_n_ = 0;
 }
@@ -100,25 +101,61 @@ void GDNLayer::fold_oldest(int count, int threads) {
   n_pending_ -= count;
 }
 
+void GDNLayer::push_pending(const float* k, const float* v, const float* g, const float* beta) {
+  const size_t kq = size_t(dims_.hk) * dims_.dk, vv = size_t(dims_.hv) * dims_.dv;
+  pk_.insert(pk_.end(), k, k + kq);
+  pv_.insert(pv_.end(), v, v + vv);
+  pg_.insert(pg_.end(), g, g + dims_.hv);
+  pbeta_.insert(pbeta_.end(), beta, beta + dims_.hv);
+  ++n_pending_;
+}
+
+void GDNLayer::slide_window(const std::vector<float>& inputs) {
+  window_.assign(inputs.end() - size_t(dims_.conv_k - 1) * dims_.channels(), inputs.end());
+}
+
 void GDNLayer::commit(const std::vector<int>& path, int threads) {
   SW_CHECK(tape_n_ > 0, "commit without a preceding verify");
   check_path(tape_parents_.data(), tape_n_, path);
   const GDNDims& d = dims_;
-  const int C = d.channels(), W = d.conv_k - 1;
+  const int C = d.channels();
   S_.swap(root_);  // root = S with the old pending folded in
   pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
+  n_pending_ = 0;
   const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
   std::vector<float> inputs(window_);
   for (int node : path) {
-    pk_.insert(pk_.end(), k_.begin() + kq * node, k_.begin() + kq * (node + 1));
-    pv_.insert(pv_.end(), v_.begin() + vv * node, v_.begin() + vv * (node + 1));
-    pg_.insert(pg_.end(), g_.begin() + size_t(d.hv) * node, g_.begin() + size_t(d.hv) * (node + 1));
-    pbeta_.insert(pbeta_.end(), beta_.begin() + size_t(d.hv) * node,
-                  beta_.begin() + size_t(d.hv) * (node + 1));
+    push_pending(&k_[kq * node], &v_[vv * node], &g_[size_t(d.hv) * node],
+                 &beta_[size_t(d.hv) * node]);
     inputs.insert(inputs.end(), x_.begin() + size_t(C) * node, x_.begin() + size_t(C) * (node + 1));
   }
-  n_pending_ = int(path.size());
-  window_.assign(inputs.end() - size_t(W) * C, inputs.end());
+  slide_window(inputs);
+  tape_n_ = 0;
+  if (n_pending_ > max_pending_) fold_oldest(n_pending_ - max_pending_, threads);
+}
+
+GDNLayer::Token GDNLayer::last_token() const {
+  const GDNDims& d = dims_;
+  SW_CHECK(!g_.empty(), "last_token before any prefill");
+  const int n = int(g_.size()) / d.hv, C = d.channels();
+  const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
+  Token t;
+  t.k.assign(k_.begin() + kq * (n - 1), k_.begin() + kq * n);
+  t.v.assign(v_.begin() + vv * (n - 1), v_.begin() + vv * n);
+  t.g.assign(g_.end() - d.hv, g_.end());
+  t.beta.assign(beta_.end() - d.hv, beta_.end());
+  if (d.conv_k > 1) t.x.assign(window_.end() - C, window_.end());  // prefill slid it in
+  return t;
+}
+
+void GDNLayer::append_pending(const Token* const* tokens, int m, int threads) {
+  std::vector<float> inputs(window_);
+  for (int i = 0; i < m; ++i) {
+    const Token& t = *tokens[i];
+    push_pending(t.k.data(), t.v.data(), t.g.data(), t.beta.data());
+    inputs.insert(inputs.end(), t.x.begin(), t.x.end());
+  }
+  slide_window(inputs);
   tape_n_ = 0;
   if (n_pending_ > max_pending_) fold_oldest(n_pending_ - max_pending_, threads);
 }
@@ -139,10 +176,9 @@ void GDNLayer::prefill(const float* x, const float* g, const float* beta, int n,
   run_tree(S_.data(), chain.data(), n, out, /*chain=*/true, n_pending_, threads);
   pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
   n_pending_ = 0;
-  const int C = d.channels(), W = d.conv_k - 1;
   std::vector<float> inputs(window_);
-  inputs.insert(inputs.end(), x, x + size_t(n) * C);
-  window_.assign(inputs.end() - size_t(W) * C, inputs.end());
+  inputs.insert(inputs.end(), x, x + size_t(n) * d.channels());
+  slide_window(inputs);
 }
 
 std::vector<float> GDNLayer::folded_state(int threads) const {

@@ -34,7 +34,18 @@ class GDNLayer {
     int n_pending = 0;
   };
   Committed committed() const { return {S_, window_, pk_, pv_, pg_, pbeta_, n_pending_}; }
-  void restore(const Committed& c);
+  void restore(Committed c);
+
+  // One token as the pending tape holds it, with its conv input: what a draft chain keeps per
+  // row (a few KiB against the whole state), so that adopting its first rows appends them as
+  // pending tokens, as commit does, instead of copying a state per row.
+  struct Token {
+    std::vector<float> k, v, g, beta, x;
+  };
+  Token last_token() const;  // after prefill: its last token
+  // Commit tokens as pending (after restore() to the state they followed); bitwise the state
+  // prefill of the same tokens leaves, as folding a pending token is the chain's recurrence.
+  void append_pending(const Token* const* tokens, int m, int threads);
 
   // S with every pending token folded in (what the state "is"); for tests and snapshots.
   std::vector<float> folded_state(int threads) const;
@@ -48,6 +59,8 @@ class GDNLayer {
   void run_tree(float* state, const int* parents, int n, float* out, bool chain, int n_pending,
                 int threads);
   void fold_oldest(int count, int threads);
+  void push_pending(const float* k, const float* v, const float* g, const float* beta);
+  void slide_window(const std::vector<float>& inputs);  // window <- last K-1 rows of inputs
 
   GDNDims dims_;
   int max_pending_;

@@ -127,21 +127,30 @@ def test_draft_chain_equals_growing_chain_verifies_bitwise(ckpt, pending):
 
 
 @pytest.mark.parametrize("kept", [0, 1, 4, 6])
-def test_keep_draft_adopts_the_committed_rows_of_the_chain(ckpt, kept):
+@pytest.mark.parametrize("pending", [0, 3])
+def test_keep_draft_adopts_the_committed_rows_of_the_chain(ckpt, kept, pending):
     """After a draft chain, keep_draft(tokens) commits the prefix of tokens that the chain
-    processed (here `kept` of them, then a token that leaves the chain) from the kept states;
-    prefilling the rest leaves the state a plain prefill of all tokens gives, bitwise."""
+    processed (here `kept` of them, then a token that leaves the chain) as pending GDN tokens;
+    prefilling the rest leaves the state a plain prefill of all tokens gives, bitwise. The GDN
+    layers may hold pending tokens before the chain, and a second adoption pushes the pending
+    count past the layer's limit (8), which folds the oldest."""
     base = prompt(70, seed=4)  # 70: the chain crosses a KV page boundary (64)
     eng = sapwood.load(ckpt, weights="q8").engine
-    eng.prefill(base[:60])
+    eng.prefill(base[:60 - pending])
+    for t in base[60 - pending:60]:  # committed one at a time: GDN tokens left unfolded
+        eng.verify([t], [-1])
+        eng.commit([0])
     rows = eng.draft_chain(7, 6)
     chain = [7] + [int(np.argmax(r)) for r in rows[:-1]]
     tokens = chain[:kept] + [(chain[kept] + 1) % 256 if kept < 6 else 11, 3]
     m = eng.keep_draft(tokens)
     assert m == kept and eng.position == 60 + kept
     eng.prefill(tokens[m:])
+    rows = eng.draft_chain(4, 6)  # a second chain, adopted whole
+    chain2 = [4] + [int(np.argmax(r)) for r in rows[:-1]]
+    assert eng.keep_draft(chain2) == 6
     fresh = sapwood.load(ckpt, weights="q8").engine
-    fresh.prefill([*base[:60], *tokens])
+    fresh.prefill([*base[:60], *tokens, *chain2])
     assert eng.position == fresh.position
     tree = [5, 9, 2], [-1, 0, 0]
     assert (eng.verify(*tree) == fresh.verify(*tree)).all()
