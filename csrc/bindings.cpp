@@ -152,6 +152,12 @@ PYBIND11_MODULE(_core, m) {
   }, py::arg("nbytes") = size_t(1) << 29, py::arg("threads") = 0, py::arg("repeats") = 3);
   m.def("get_num_threads", &default_threads);
 
+  m.def("logsumexp", [](py::handle x_obj) {
+    F32 x = as_f32(x_obj, "x", {-1});
+    SW_CHECK(x.shape(0) > 0, "logsumexp of an empty array");
+    return kernels().logsumexp(x.data(), size_t(x.shape(0)));
+  }, py::arg("x"), "max(x) + log(sum(exp(x - max))) of float32 x [n] (the draft's ranking).");
+
   m.def("quantize_int8", [](py::handle x_obj) {
     F32 x = as_f32(x_obj, "x", {-1, -1});
     const int D = int(x.shape(1));

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "kernels/kernels.h"
 #include "thread_pool.h"
 #include "tree.h"
 
@@ -226,22 +227,19 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
   std::vector<int> best;  // the k-1 best ids other than the chain's pick, best first
   for (int r = 0; r < rows; ++r) {
     const float* row = z.data() + size_t(r) * V;
-    // One pass each for the max, the softmax sum (float exp: these only rank and bucket
-    // proposals, never what is emitted) and the top k-1: a partial sort of the whole row
+    // One pass for the log-sum-exp and one for the top k-1: a partial sort of the whole row
     // cost more than the draft's forward.
-    const float mx = *std::max_element(row, row + V);
-    double sum = 0.0;
-    for (int i = 0; i < V; ++i) sum += std::exp(row[i] - mx);
-    const double lse = double(mx) + std::log(sum);
+    const double lse = kernels().logsumexp(row, size_t(V));
     best.clear();
+    float floor = k > 1 ? -INFINITY : INFINITY;  // the (k-1)-th best so far, once there are k-1
     for (int i = 0; i < V; ++i) {
-      if (i == chain[r]) continue;
-      if (int(best.size()) == k - 1 && (k == 1 || row[i] <= row[best.back()])) continue;
+      if (row[i] <= floor || i == chain[r]) continue;
       // insert keeping best-first order; an equal value sorts after (lower ids come first)
       auto at = std::upper_bound(best.begin(), best.end(), i,
                                  [&](int a, int b) { return row[a] > row[b]; });
       best.insert(at, i);
       if (int(best.size()) > k - 1) best.pop_back();
+      if (int(best.size()) == k - 1) floor = row[best.back()];
     }
     int* out = ids->data() + size_t(r) * k;
     out[0] = chain[r];

@@ -83,6 +83,8 @@ struct KernelTable {
   void (*matmul)(const MatmulProblem&, int threads);
   // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc
   void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
+  // max(x) + log(sum exp(x - max)), from the canonical exp in a fixed lane order
+  double (*logsumexp)(const float* x, size_t n);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.
