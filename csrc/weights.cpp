@@ -42,13 +42,14 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
       for (size_t i = 0; i < packed.size(); ++i) bf16[i] = f32_to_bf16(packed[i]);
     }
   } else if (f == WFormat::Q8) {
-    cols_pad = round_up(c, 32);
-    q8.assign(size_t(r) * cols_pad, 0);
+    cols_pad = round_up(c, kQ8Run);
+    q8.assign(size_t(round_up(r, kQ8Tile)) * cols_pad, 0);  // padding rows stay zero
     scale.resize(r);
     q8_sum.assign(r, 0);
+    std::vector<int8_t> row(cols_pad);
     for (int o = 0; o < r; ++o) {
-      scale[o] = quantize_block(w + size_t(o) * c, c, 127.0f, q8.data() + size_t(o) * cols_pad);
-      for (int k = 0; k < c; ++k) q8_sum[o] += q8[size_t(o) * cols_pad + k];
+      scale[o] = quantize_block(w + size_t(o) * c, c, 127.0f, row.data());
+      for (int k = 0; k < c; ++k) q8[q8_index(o, k)] = row[k], q8_sum[o] += row[k];
     }
   } else {
     cols_pad = round_up(c, kQ4Group);
@@ -83,7 +84,7 @@ void QMatrix::dequant_row(int o, float* out) const {
       }
       break;
     case WFormat::Q8:
-      for (int k = 0; k < cols; ++k) out[k] = float(q8[size_t(o) * cols_pad + k]) * scale[o];
+      for (int k = 0; k < cols; ++k) out[k] = float(q8[q8_index(o, k)]) * scale[o];
       break;
     case WFormat::Q4: {
       const int groups = cols_pad / kQ4Group;
