@@ -19,6 +19,7 @@ from util import ISAS, TREES, assert_close, isa, path_to, random_tree
 
 SMALL = (4, 2, 64)      # Hq, Hkv, D
 REALISTIC = (24, 4, 256)
+ODD_DIM = (2, 1, 96)     # D % 64 == 32: a head dim that is not a whole number of 64-dim blocks
 HISTORIES = [0, 1, 31, 32, 33, 1000, 4096, 8192]
 ATOL = 1e-4
 
@@ -72,6 +73,11 @@ def test_oracle_realistic_shape(p, tree):
 @pytest.mark.parametrize("tree", list(TREES))
 def test_oracle_realistic_shape_split64(tree):
     check_oracle(REALISTIC, 1000, tree, 64)
+
+
+@pytest.mark.parametrize("p", [0, 33, 1000])
+def test_oracle_head_dim_96(p):
+    check_oracle(ODD_DIM, p, "random1", 512)
 
 
 def test_split_reference_matches_naive():
@@ -138,12 +144,13 @@ def test_thread_count_bitwise(p):
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
+@pytest.mark.parametrize("shape", [SMALL, ODD_DIM])
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: most scores fall below exp's -87.3 cut
-def test_kernel_variants_bitwise(q_scale):
+def test_kernel_variants_bitwise(q_scale, shape):
     """Every SIMD build is the same source as the generic build: identical bits."""
-    _, seq, _, _ = history(SMALL, 300)
+    _, seq, _, _ = history(shape, 300)
     parents = TREES["random4"]
-    q, k, v = tree_inputs(SMALL, len(parents), 12)
+    q, k, v = tree_inputs(shape, len(parents), 12)
     q = q * np.float32(q_scale)
     outs = []
     for name in ISAS:
