@@ -61,17 +61,6 @@ QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WF
 
 // Zero-centred RMSNorm of each row: x * rsqrt(mean(x^2) + eps) * w1 (w1 = 1 + w), fp32,
 // sum of squares in index order.
-void rms_norm(const float* x, const float* w1, int n, int dim, float eps, float* out) {
-  for (int r = 0; r < n; ++r) {
-    const float* xr = x + size_t(r) * dim;
-    float ss = 0.0f;
-    for (int i = 0; i < dim; ++i) ss = std::fmaf(xr[i], xr[i], ss);
-    const float inv = 1.0f / std::sqrt(ss / float(dim) + eps);
-    float* o = out + size_t(r) * dim;
-    for (int i = 0; i < dim; ++i) o[i] = xr[i] * inv * w1[i];
-  }
-}
-
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
@@ -166,15 +155,9 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
     g.verify(qkv.data(), gdec.data(), beta.data(), lay.parents.data(), n, o.data(), threads_);
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
   kernels().silu_mul(z.data(), nullptr, z.data(), z.size());
-  for (int i = 0; i < n; ++i)
-    for (int hh = 0; hh < hv; ++hh) {
-      float* oh = o.data() + size_t(i) * V + size_t(hh) * dv;
-      const float* zh = z.data() + size_t(i) * V + size_t(hh) * dv;
-      float ss = 0.0f;
-      for (int j = 0; j < dv; ++j) ss = std::fmaf(oh[j], oh[j], ss);
-      const float inv = 1.0f / std::sqrt(ss / float(dv) + d_.eps);
-      for (int j = 0; j < dv; ++j) oh[j] = L.gnorm[j] * (oh[j] * inv) * zh[j];
-    }
+  // (gnorm * (o * inv)) * z == ((o * inv) * gnorm) * z: one product commutes, bits unchanged
+  kernels().rms_norm(o.data(), L.gnorm.data(), n * hv, dv, d_.eps, o.data());
+  for (size_t i = 0; i < o.size(); ++i) o[i] *= z[i];
   mm(L.out, o.data(), n, out);
 }
 
@@ -191,11 +174,11 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
   for (int i = 0; i < n; ++i) {
     for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
       const float* src = qg.data() + (size_t(i) * Hq + hh) * 2 * D;
-      rms_norm(src, L.q_norm.data(), 1, D, d_.eps, q.data() + (size_t(i) * Hq + hh) * D);
+      kernels().rms_norm(src, L.q_norm.data(), 1, D, d_.eps, q.data() + (size_t(i) * Hq + hh) * D);
       std::copy(src + D, src + 2 * D, gate.data() + (size_t(i) * Hq + hh) * D);
     }
     float* kr = tape.k.data() + size_t(i) * Hkv * D;
-    rms_norm(kr, L.k_norm.data(), Hkv, D, d_.eps, kr);
+    kernels().rms_norm(kr, L.k_norm.data(), Hkv, D, d_.eps, kr);
     rope(q.data() + size_t(i) * Hq * D, Hq, D, d_.rotary_dim, lay.pos[i], d_.rope_theta);
     rope(kr, Hkv, D, d_.rotary_dim, lay.pos[i], d_.rope_theta);
   }
@@ -239,7 +222,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
   int a = 0, gi = 0;
   for (int l = 0; l < d_.n_layers(); ++l) {
     const LayerWeights& L = w_.layers[l];
-    rms_norm(x.data(), L.in_norm.data(), n, H, d_.eps, h.data());
+    kernels().rms_norm(x.data(), L.in_norm.data(), n, H, d_.eps, h.data());
     if (d_.is_attn[l]) {
       attn_mixer(l, a, h.data(), lay, seq, tape[a], mix.data());
       ++a;
@@ -247,7 +230,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
       gdn_mixer(l, gdn[gi++], h.data(), lay, mix.data());
     }
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
-    rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
+    kernels().rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
     mm(L.gate, h.data(), n, g.data());
     mm(L.up, h.data(), n, u.data(), /*same_x=*/true);
     kernels().silu_mul(g.data(), u.data(), g.data(), g.size());
@@ -255,7 +238,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
   }
   const int m = n - logit_from;
-  rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
+  kernels().rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
   std::vector<float> logits(size_t(m) * d_.vocab);
   mm(d_.tied ? w_.embed : w_.lm_head, h.data(), m, logits.data());
   return logits;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "kernels/kernels.h"
 
 namespace sapwood {
 
@@ -103,7 +104,7 @@ void QActs::quantize(const float* x, int rows, int cols, int pad) {
   xq.assign(size_t(rows) * pad, 0);
   xs.resize(rows);
   for (int r = 0; r < rows; ++r)
-    xs[r] = quantize_block(x + size_t(r) * cols, cols, 127.0f, xq.data() + size_t(r) * pad);
+    xs[r] = kernels().quantize_row(x + size_t(r) * cols, cols, 127.0f, xq.data() + size_t(r) * pad);
 }
 
 }  // namespace sapwood

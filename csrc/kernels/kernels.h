@@ -85,6 +85,10 @@ struct KernelTable {
   void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
   // max(x) + log(sum exp(x - max)), from the canonical exp in a fixed lane order
   double (*logsumexp)(const float* x, size_t n);
+  // RMSNorm of n rows of dim (out may alias x): fmaf sum of squares in order, (x * inv) * w
+  void (*rms_norm)(const float* x, const float* w1, int n, int dim, float eps, float* out);
+  // quantize_block (common.h) of one row: returns the scale
+  float (*quantize_row)(const float* x, int n, float qmax, int8_t* q);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.
