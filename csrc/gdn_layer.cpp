@@ -82,8 +82,11 @@ void GDNLayer::verify(const float* x, const float* g, const float* beta, const i
   g_.assign(g, g + size_t(n) * d.hv);
   beta_.assign(beta, beta + size_t(n) * d.hv);
   conv(x, parents, n, threads);
-  root_ = S_;
-  run_tree(root_.data(), parents, n, out, /*chain=*/false, n_pending_, threads);
+  // The pending tokens fold into S itself (the state they stand for does not change), and the
+  // tree runs from there: no copy of S per verify.
+  run_tree(S_.data(), parents, n, out, /*chain=*/false, n_pending_, threads);
+  pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
+  n_pending_ = 0;
   tape_n_ = n;
 }
 
@@ -119,9 +122,7 @@ void GDNLayer::commit(const std::vector<int>& path, int threads) {
   check_path(tape_parents_.data(), tape_n_, path);
   const GDNDims& d = dims_;
   const int C = d.channels();
-  S_.swap(root_);  // root = S with the old pending folded in
-  pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
-  n_pending_ = 0;
+  // verify folded the old pending tokens into S: the path's tokens become the pending ones
   const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
   std::vector<float> inputs(window_);
   for (int node : path) {

@@ -2,8 +2,8 @@
 //
 // Committed = S [hv][dk][dv] + conv window [K-1][C] + up to max_pending "pending" tokens whose
 // (k, v, g, beta) were committed but not yet folded into S. verify() folds the pending tokens
-// into a root copy of S (kept on the tape), runs the tree from it and keeps every node's
-// (x, k, v, g, beta). commit(path) selects: S <- root, pending <- the path's tokens, folding
+// into S (the committed state it stands for is unchanged), runs the tree from it and keeps
+// every node's (x, k, v, g, beta). commit(path) selects: pending <- the path's tokens, folding
 // the oldest beyond max_pending. Per-node states are never retained (48 heads x 64 KiB each
 // would be 3 MiB a node a layer); the tape costs one recurrence step per committed token.
 #pragma once
@@ -71,7 +71,7 @@ class GDNLayer {
   // tape of the last verify
   int tape_n_ = 0;
   std::vector<int> tape_parents_;
-  std::vector<float> root_, x_, q_, k_, v_, g_, beta_;
+  std::vector<float> x_, q_, k_, v_, g_, beta_;
 };
 
 }  // namespace sapwood
