@@ -158,6 +158,24 @@ PYBIND11_MODULE(_core, m) {
     return kernels().logsumexp(x.data(), size_t(x.shape(0)));
   }, py::arg("x"), "max(x) + log(sum(exp(x - max))) of float32 x [n] (the draft's ranking).");
 
+  m.def("rms_norm", [](py::handle x_obj, py::handle w_obj, float eps) {
+    F32 x = as_f32(x_obj, "x", {-1, -1});
+    F32 w = as_f32(w_obj, "w", {x.shape(1)});
+    py::array_t<float> out({x.shape(0), x.shape(1)});
+    kernels().rms_norm(x.data(), w.data(), int(x.shape(0)), int(x.shape(1)), eps, out.mutable_data());
+    return out;
+  }, py::arg("x"), py::arg("w"), py::arg("eps"),
+     "x [n, d] * rsqrt(mean(x^2) + eps) * w, w [d] the scale as applied (1 + the HF weight).");
+  m.def("silu_mul", [](py::handle x_obj, py::object u_obj) {
+    F32 x = as_f32(x_obj, "x", {-1});
+    F32 u;
+    if (!u_obj.is_none()) u = as_f32(u_obj, "u", {x.shape(0)});
+    py::array_t<float> out(x.shape(0));
+    kernels().silu_mul(x.data(), u_obj.is_none() ? nullptr : u.data(), out.mutable_data(),
+                       size_t(x.shape(0)));
+    return out;
+  }, py::arg("x"), py::arg("u") = py::none(), "silu(x) * u (u None: silu(x)), x and u [n].");
+
   m.def("quantize_int8", [](py::handle x_obj) {
     F32 x = as_f32(x_obj, "x", {-1, -1});
     const int D = int(x.shape(1));

@@ -1,6 +1,10 @@
 """Smoke runs of the benchmark commands (correctness only: they run, keep every block, check
 identical tokens, and write reproducible JSON). Timings are not asserted."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,3 +81,14 @@ def test_peers_command_interleaves_and_reports_missing_peers(ckpt, tmp_path, cap
     assert res["peers"]["sapwood-f32"]["sapwood-f32_over_this_decode_tok_s"]["median"] == 1.0
     assert res["not_run"]["llama.cpp-q8_0"].startswith("not run:")  # said, never skipped silently
     assert "not run" in capsys.readouterr().out
+
+
+def test_kernel_microbenchmarks_smoke():
+    """bench/test_bench_kernels.py at small sizes, each benchmark called once
+    (--benchmark-disable) so that its checks of what it computed run; nothing is timed."""
+    bench = Path(__file__).resolve().parent.parent / "bench" / "test_bench_kernels.py"
+    r = subprocess.run([sys.executable, "-m", "pytest", str(bench), "-q", "-p", "no:cacheprovider",
+                        "--benchmark-disable"], env=dict(os.environ, SAPWOOD_BENCH_SMOKE="1"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout

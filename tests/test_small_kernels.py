@@ -1,0 +1,71 @@
+"""The small kernels (RMSNorm, SiLU-gate, log-sum-exp) against their float64 oracles, on every
+ISA, and bitwise equal across ISAs."""
+import numpy as np
+import pytest
+
+from sapwood import _core
+from sapwood.reference.gdn import silu
+from sapwood.reference.model import rms_norm
+from sapwood.reference.ranking import logsumexp
+from util import ISAS, assert_close, isa
+
+
+def on_every_isa(fn):
+    """fn() under each ISA; asserts the results are bitwise equal and returns the first."""
+    outs = []
+    for name in ISAS:
+        with isa(name):
+            outs.append(np.asarray(fn()))
+    for o in outs[1:]:
+        assert (o == outs[0]).all()
+    return outs[0]
+
+
+@pytest.mark.parametrize("n,d", [(1, 64), (9, 288), (3, 100)])
+def test_rms_norm(rng, n, d):
+    x = (rng.standard_normal((n, d)) * 3).astype(np.float32)
+    w1 = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)  # the scale as applied
+    got = on_every_isa(lambda: _core.rms_norm(x, w1, 1e-6))
+    # float32: a sequential sum of d <= 288 squares (relative error ~ d * 6e-8 <= 2e-5) and
+    # three roundings per output; outputs are O(3), so 2e-4 holds with room, a wrong eps, mean
+    # or scale moves them by 1e-2 or more. The oracle takes HF's weight, w1 - 1 (exact).
+    assert_close(got, rms_norm(x.astype(np.float64), w1.astype(np.float64) - 1, 1e-6), 2e-4, "rms_norm")
+    # in place (the engine normalises key heads over themselves)
+    assert (_core.rms_norm(got, w1, 1e-6) == _core.rms_norm(got.copy(), w1, 1e-6)).all()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("n", [1, 8, 13, 864])
+def test_silu_mul(rng, n, gated):
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32) if gated else None
+    got = on_every_isa(lambda: _core.silu_mul(x, u))
+    want = silu(x.astype(np.float64)) * (u.astype(np.float64) if gated else 1.0)
+    # the canonical exp is within 2 ulp of exp, then a division and a product: a few float32
+    # ulps of outputs of size <= 16, so 1e-5 absolute
+    assert_close(got, want, 1e-5, "silu_mul")
+
+
+@pytest.mark.parametrize("peaked", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 4096, 151936])
+def test_logsumexp(rng, n, peaked):
+    x = rng.standard_normal(n).astype(np.float32)
+    if peaked:  # as a confident draft gives: most terms underflow against the peak
+        x = x * 30
+        x[rng.integers(0, n)] = 120.0
+    got = float(on_every_isa(lambda: _core.logsumexp(x)))
+    # each canonical exp is within 2 ulp of float32 exp (2.4e-7 relative) and the float64 sum
+    # adds next to nothing, so the log is within ~2.4e-7; 1e-6 leaves room, while one term
+    # dropped from a flat row of 151936 (1/151936 = 6.6e-6) would not fit in it
+    assert abs(got - logsumexp(x)) <= 1e-6
+
+
+def test_small_kernels_check_their_input():
+    with pytest.raises(ValueError, match="empty"):
+        _core.logsumexp(np.zeros(0, np.float32))
+    with pytest.raises(ValueError, match="non-finite"):
+        _core.logsumexp(np.array([1.0, np.nan], np.float32))
+    with pytest.raises(ValueError, match="w"):
+        _core.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-6)
+    with pytest.raises(ValueError, match="u"):
+        _core.silu_mul(np.ones(4, np.float32), np.ones(5, np.float32))
