@@ -87,6 +87,11 @@ class DecodeConfig:
         return self
 
 
+def _root_tree(root: int) -> trees.Tree:
+    """A plain round's tree: the root alone."""
+    return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]), np.zeros(1))
+
+
 class Decoder:
     """One request's decoding loop over a target engine and a drafter (None for `off`)."""
 
@@ -137,9 +142,8 @@ class Decoder:
         """This round's tree, whether it is wide, and its logits when they were already
         computed (a calibration round), else None."""
         rows = min(self.cfg.rows, room - 1)
-        if mode in ("off", "plain") or rows <= 0:
-            return trees.Tree(np.array([root]), np.array([-1]), np.array([0]), np.array([-1]),
-                              np.zeros(1)), False, None
+        if rows <= 0:
+            return _root_tree(root), False, None
         self._catch_up()
         t0 = time.perf_counter()
         lattice = self.drafter.draft(self.context, root, rows)
@@ -213,26 +217,37 @@ class Decoder:
                     return
                 t_round = time.perf_counter()
                 mode = self._mode()
-                tree, wide, logits = self._build(root, mode, room)
-                calibration = logits is not None
-                if not calibration:
+                if mode in ("off", "plain"):  # the root alone: no tree, no walk
+                    tree, wide, calibration = None, False, False
                     t = time.perf_counter()
-                    logits = eng.verify(tree.tokens, tree.parents)
+                    logits = eng.verify([root], [-1])
                     self.verify_s = time.perf_counter() - t
-                path, picks = self._walk(tree, logits)
-                eng.commit(path)
-                committed = [int(tree.tokens[n]) for n in path]
+                    hist = None if cfg.params.tree_eligible else self.context + [root]
+                    picks, path = [self._pick(logits[0], eng.position + 1, hist)], [0]
+                    eng.commit(path)
+                    committed = [root]
+                else:
+                    tree, wide, logits = self._build(root, mode, room)
+                    calibration = logits is not None
+                    if not calibration:
+                        t = time.perf_counter()
+                        logits = eng.verify(tree.tokens, tree.parents)
+                        self.verify_s = time.perf_counter() - t
+                    path, picks = self._walk(tree, logits)
+                    eng.commit(path)
+                    committed = [int(tree.tokens[n]) for n in path]
                 self.context.extend(committed)
                 if mode == "plain":  # the drafter catches up when it next drafts
                     self._unsent.extend(committed)
                     self._behind += len(committed)
                 elif self.drafter is not None:
                     self.drafter.advance(committed)
+                width = 1 if tree is None else tree.width
                 st.cycles += 1
                 st.wide_cycles += int(wide)
-                st.nodes_verified += tree.width
+                st.nodes_verified += width
                 st.draft_rows_accepted += len(path) - 1
-                st.widths.append(tree.width)
+                st.widths.append(width)
                 ctx = eng.position - len(path)  # the round's context
                 if mode != "off" and not first_round:
                     self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round,
@@ -251,7 +266,7 @@ class Decoder:
                         self.rule.cost.observe_rest(ctx, time.perf_counter() - t_round - self.verify_s)
                 first_round = False
                 if self.on_round is not None:
-                    self.on_round(tree, path, time.perf_counter() - t_round)
+                    self.on_round(tree or _root_tree(root), path, time.perf_counter() - t_round)
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
             st.decode_s = time.perf_counter() - t_start
