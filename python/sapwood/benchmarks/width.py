@@ -131,7 +131,11 @@ def main(a) -> int:
            "first_request": {}, "depths": []}
     prompt_of = {d: all_ids[:max(d, 1)] for d in a.depths}
     # The first request of a fresh process: the rule starts from its priors (no cost or
-    # acceptance history), `reps` times per depth, each with a fresh rule.
+    # acceptance history), `reps` times per depth, each with a fresh rule. The process is
+    # warmed first (allocations, first touches, the draft model's first forwards), not the
+    # rule: the fixed-width arms it is compared with run later, in a warm process.
+    model.generate(prompt_of[a.depths[0]], verify="chain", drafter=a.drafter, max_tokens=16,
+                   cache_prompt=True)
     for d in a.depths:
         out["first_request"][d] = []
         for _ in range(a.reps):
