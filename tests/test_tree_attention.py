@@ -144,12 +144,13 @@ def test_thread_count_bitwise(p):
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
-@pytest.mark.parametrize("shape", [SMALL, ODD_DIM])
+@pytest.mark.parametrize("tree", ["random4", "single"])  # single: the one-row (fused) path
+@pytest.mark.parametrize("shape", [SMALL, ODD_DIM, (8, 2, 256)])
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: most scores fall below exp's -87.3 cut
-def test_kernel_variants_bitwise(q_scale, shape):
-    """Every SIMD build is the same source as the generic build: identical bits."""
+def test_kernel_variants_bitwise(q_scale, shape, tree):
+    """Every SIMD build gives the generic build's bits."""
     _, seq, _, _ = history(shape, 300)
-    parents = TREES["random4"]
+    parents = TREES[tree]
     q, k, v = tree_inputs(shape, len(parents), 12)
     q = q * np.float32(q_scale)
     outs = []
