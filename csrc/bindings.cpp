@@ -158,13 +158,16 @@ PYBIND11_MODULE(_core, m) {
     return kernels().logsumexp(x.data(), size_t(x.shape(0)));
   }, py::arg("x"), "max(x) + log(sum(exp(x - max))) of float32 x [n] (the draft's ranking).");
 
-  m.def("rms_norm", [](py::handle x_obj, py::handle w_obj, float eps) {
+  m.def("rms_norm", [](py::handle x_obj, py::handle w_obj, float eps, bool inplace) {
     F32 x = as_f32(x_obj, "x", {-1, -1});
     F32 w = as_f32(w_obj, "w", {x.shape(1)});
-    py::array_t<float> out({x.shape(0), x.shape(1)});
+    // inplace: over x's own buffer, as the engine normalises key heads (x must be C-contiguous:
+    // a strided view would be copied, and the caller's array left as it was)
+    SW_CHECK(!inplace || x.ptr() == x_obj.ptr(), "rms_norm inplace needs a C-contiguous float32 x");
+    F32 out = inplace ? x : F32({x.shape(0), x.shape(1)});
     kernels().rms_norm(x.data(), w.data(), int(x.shape(0)), int(x.shape(1)), eps, out.mutable_data());
     return out;
-  }, py::arg("x"), py::arg("w"), py::arg("eps"),
+  }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("inplace") = false,
      "x [n, d] * rsqrt(mean(x^2) + eps) * w, w [d] the scale as applied (1 + the HF weight).");
   m.def("silu_mul", [](py::handle x_obj, py::object u_obj) {
     F32 x = as_f32(x_obj, "x", {-1});

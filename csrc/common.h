@@ -37,6 +37,9 @@ inline float rint_small(float x) {
 
 // The one symmetric quantizer (KV groups, q8/q4 weights, int8 activations):
 // scale = amax / qmax, q = clamp(rint(x / scale), -qmax, qmax), scale 0 -> q = 0.
+inline int8_t quantize_one(float x, float s, float qmax) {  // s > 0
+  return int8_t(clamp_f(rint_small(x / s), -qmax, qmax));
+}
 inline float quantize_block(const float* x, int n, float qmax, int8_t* q) {
   // amax over the bit patterns with the sign cleared: for finite floats the integer order is
   // the float order, and an integer max reduction vectorises where the float one does not.
@@ -50,7 +53,7 @@ inline float quantize_block(const float* x, int n, float qmax, int8_t* q) {
   float amax;
   __builtin_memcpy(&amax, &abits, 4);
   const float s = amax / qmax;
-  for (int i = 0; i < n; ++i) q[i] = s == 0.0f ? 0 : int8_t(clamp_f(rint_small(x[i] / s), -qmax, qmax));
+  for (int i = 0; i < n; ++i) q[i] = s == 0.0f ? 0 : quantize_one(x[i], s, qmax);
   return s;
 }
 

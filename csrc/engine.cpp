@@ -200,7 +200,7 @@ int Engine::keep_draft(const std::vector<int>& tokens) {
     ++m;
   // the chain restored the state before it: its first m rows follow as pending tokens
   std::vector<const GDNLayer::Token*> rows(m);
-  for (size_t l = 0; l < gdn_.size(); ++l) {
+  for (size_t l = 0; m > 0 && l < gdn_.size(); ++l) {
     for (int r = 0; r < m; ++r) rows[r] = &draft_gdn_[r][l];
     gdn_[l].append_pending(rows.data(), m, threads_);
   }

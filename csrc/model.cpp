@@ -59,8 +59,6 @@ QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WF
   return m;
 }
 
-// Zero-centred RMSNorm of each row: x * rsqrt(mean(x^2) + eps) * w1 (w1 = 1 + w), fp32,
-// sum of squares in index order.
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
@@ -154,10 +152,10 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
   else
     g.verify(qkv.data(), gdec.data(), beta.data(), lay.parents.data(), n, o.data(), threads_);
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
-  kernels().silu_mul(z.data(), nullptr, z.data(), z.size());
-  // (gnorm * (o * inv)) * z == ((o * inv) * gnorm) * z: one product commutes, bits unchanged
+  // (gnorm * (o * inv)) * silu(z) == silu(z) * ((o * inv) * gnorm): products commute, bits
+  // unchanged; silu_mul writes the gate's product over the normed o
   kernels().rms_norm(o.data(), L.gnorm.data(), n * hv, dv, d_.eps, o.data());
-  for (size_t i = 0; i < o.size(); ++i) o[i] *= z[i];
+  kernels().silu_mul(z.data(), o.data(), o.data(), o.size());
   mm(L.out, o.data(), n, out);
 }
 

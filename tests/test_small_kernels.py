@@ -30,8 +30,11 @@ def test_rms_norm(rng, n, d):
     # three roundings per output; outputs are O(3), so 2e-4 holds with room, a wrong eps, mean
     # or scale moves them by 1e-2 or more. The oracle takes HF's weight, w1 - 1 (exact).
     assert_close(got, rms_norm(x.astype(np.float64), w1.astype(np.float64) - 1, 1e-6), 2e-4, "rms_norm")
-    # in place (the engine normalises key heads over themselves)
-    assert (_core.rms_norm(got, w1, 1e-6) == _core.rms_norm(got.copy(), w1, 1e-6)).all()
+    # in place (the engine normalises key heads over themselves): the same bits in x's buffer
+    y = x.copy()
+    assert _core.rms_norm(y, w1, 1e-6, inplace=True) is y and (y == got).all()
+    with pytest.raises(ValueError, match="inplace"):  # a strided view has no buffer to write
+        _core.rms_norm(np.repeat(x, 2, axis=1)[:, ::2], w1, 1e-6, inplace=True)
 
 
 @pytest.mark.parametrize("gated", [False, True])

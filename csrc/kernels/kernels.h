@@ -81,7 +81,8 @@ struct KernelTable {
   void (*gdn_conv)(const GDNConvProblem&, int threads);
   void (*gdn_tree)(const GDNTreeProblem&, int threads);
   void (*matmul)(const MatmulProblem&, int threads);
-  // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc
+  // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc;
+  // out may alias x or u
   void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
   // max(x) + log(sum exp(x - max)), from the canonical exp in a fixed lane order
   double (*logsumexp)(const float* x, size_t n);

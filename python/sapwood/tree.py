@@ -39,8 +39,6 @@ class Tree:
 
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
-        if self.tokens.size == 1:  # plain rounds: no children, and no numpy per token
-            return -1
         hit = np.nonzero((self.parents == node) & (self.tokens == token))[0]
         return int(hit[0]) if hit.size else -1
 
