@@ -115,7 +115,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("isa", [] { return std::string(kernels().name); }, "Kernel variant in use.");
   m.def("available_isas", [] {
     std::vector<std::string> out;
-    for (const char* n : {"generic", "avx2", "avx512"})
+    for (const char* n : {"generic", "avx2", "avx512", "amx"})
       if (kernels_by_name(n)) out.push_back(n);
     return out;
   });

@@ -43,8 +43,8 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
       for (size_t i = 0; i < packed.size(); ++i) bf16[i] = f32_to_bf16(packed[i]);
     }
   } else if (f == WFormat::Q8) {
-    cols_pad = round_up(c, kQ8Run);
-    q8.assign(size_t(round_up(r, kQ8Tile)) * cols_pad, 0);  // padding rows stay zero
+    cols_pad = round_up(c, 32);
+    q8.assign(size_t(round_up(r, kQ8Group)) * cols_pad, 0);  // padding rows stay zero
     scale.resize(r);
     q8_sum.assign(r, 0);
     std::vector<int8_t> row(cols_pad);

@@ -3,10 +3,12 @@
 // Formats (y = x W^T, W [rows = outputs][cols = inputs]):
 //   F32  : fp32, packed [rows/16][cols][16] so 16 outputs accumulate side by side.
 //   BF16 : the same layout in bfloat16 (round to nearest even from fp32).
-//   Q8   : int8 per output channel, scale = amax/127 per row of W; tiles of 4 rows whose runs
-//          of 32 inputs interleave: [rows4/4][cols32/32][4][32]. A decode row then streams
-//          each tile as one sequential run (row-major tiles read 4 rows side by side and
-//          streamed at 16 of the 23 GB/s a plain read reaches on 2 cores here; this at 23).
+//   Q8   : int8 per output channel, scale = amax/127 per row of W; groups of 16 outputs, each
+//          one contiguous run of "quads": input quad q (inputs 4q..4q+3) of the group's 16
+//          outputs in 64 bytes, [rows16/16][cols32/4][16][4]. This is the B operand layout of
+//          AMX (a 64-input block of a group is one 16x64 tile, 1 KB) and of vpdpbusd with a
+//          broadcast quad of activations: every SIMD lane accumulates one output, so no path
+//          needs horizontal sums, and a decode row streams each group sequentially.
 //   Q4   : symmetric 4-bit, groups of 64 inputs: scale = amax/7, q in [-7, 7] stored +8 in
 //          nibbles; byte j of a group holds input j (low nibble) and input j+32 (high), so
 //          a group unpacks into two contiguous runs of 32. [rows][cols64/2] + [rows][groups].
@@ -37,11 +39,12 @@ struct QMatrix {
   std::vector<float> scale;
 
   void quantize(const float* w, int rows, int cols, WFormat fmt);
-  static constexpr int kQ8Tile = 4, kQ8Run = 32;
-  // Q8: where input k of output o sits; its run of 32 inputs continues kQ8Tile * kQ8Run on
+  static constexpr int kQ8Group = 16, kQ8Quad = 4;
+  static constexpr int kQ8QuadBytes = kQ8Group * kQ8Quad;  // 64: one quad of a group
+  // Q8: where input k of output o sits (row padding to 16 outputs stays zero)
   size_t q8_index(int o, int k) const {
-    return (size_t(o / kQ8Tile) * cols_pad + size_t(k / kQ8Run) * kQ8Run) * kQ8Tile +
-           size_t(o % kQ8Tile) * kQ8Run + k % kQ8Run;
+    return size_t(o / kQ8Group) * kQ8Group * cols_pad + size_t(k / kQ8Quad) * kQ8QuadBytes +
+           size_t(o % kQ8Group) * kQ8Quad + k % kQ8Quad;
   }
   size_t q4_byte(int o, int k) const {
     return (size_t(o) * cols_pad + (k / kQ4Group) * kQ4Group) / 2 + (k % kQ4Group) % (kQ4Group / 2);

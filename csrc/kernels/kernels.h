@@ -92,7 +92,7 @@ struct KernelTable {
   float (*quantize_row)(const float* x, int n, float qmax, int8_t* q);
 };
 
-// The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512.
+// The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512|amx.
 const KernelTable& kernels();
 const KernelTable* kernels_by_name(const char* name);  // nullptr when absent/unsupported
 void set_kernels(const KernelTable* table);            // tests compare variants bitwise
