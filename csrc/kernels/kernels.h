@@ -1,5 +1,5 @@
 // The CPU kernel interface. Each kernel body is compiled once per instruction set (generic,
-// AVX2, AVX-512) from the same source; reductions run in an order fixed by positions and
+// AVX2, AVX-512 VNNI, AMX) from the same source; reductions run in an order fixed by positions and
 // dims only and vectorise across independent lanes, so every variant gives the same bits.
 #pragma once
 #include <cstdint>
