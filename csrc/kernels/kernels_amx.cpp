@@ -7,6 +7,7 @@
 #define SW_ISA_STR "amx"
 #define SW_TABLE_NAME kernels_amx
 #define SW_USE_AVX2 1
+#define SW_USE_AVX512 1
 #define SW_USE_VNNI 1
 #define SW_USE_AMX 1
 #include "body.inc"
