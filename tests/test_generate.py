@@ -427,16 +427,20 @@ def test_plain_fallback_keeps_drafting_while_speculation_wins():
     for _ in range(2):
         assert not pf.skip_draft()
         pf.observe(False, 4, 0.004)   # 1000 tokens/s speculating
-    assert pf.skip_draft()            # one plain round to measure
+    assert pf.skip_draft()            # plain rounds to measure
+    pf.observe(True, 1, 0.009)        # right after speculation: pays its path's pending steps
+    assert pf.plain_s is None and pf.skip_draft()  # so it does not time plain decoding
     pf.observe(True, 1, 0.002)        # 500 tokens/s plain
+    assert pf.plain_s == 0.002
     assert not any(pf.skip_draft() for _ in range(20))
     slow = PlainFallback()
     slow.begin_request(max_tokens=100)
     for _ in range(2):
         slow.skip_draft()
         slow.observe(False, 1, 0.005, caught_up=10, catch_up_s=0.001)  # 250 tokens/s + catch-up
-    slow.skip_draft()
-    slow.observe(True, 1, 0.002)
+    for _ in range(2):
+        slow.skip_draft()
+        slow.observe(True, 1, 0.002)
     assert slow.catch_up_per_token == pytest.approx(1e-4)
     # a probe costs 0.004 - 1 * 0.002 = 0.002 s beyond plain, plus 1e-4 s a token behind
     assert slow.probe_cost(0) == pytest.approx(0.002) and slow.probe_cost(20) == pytest.approx(0.004)
@@ -458,8 +462,9 @@ def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over()
     for _ in range(2):
         pf.skip_draft()
         pf.observe(False, 1, 0.004)    # a bad prompt: 250 tokens/s speculating
-    pf.skip_draft()
-    pf.observe(True, 1, 0.002)         # 500 tokens/s plain
+    for _ in range(2):
+        pf.skip_draft()
+        pf.observe(True, 1, 0.002)     # 500 tokens/s plain
     # the next request in the band starts from that history: plain at once
     pf2 = rule.plain_fallback(200)
     assert pf2 is pf and pf2.skip_draft()
