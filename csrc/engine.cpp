@@ -20,6 +20,7 @@ Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv,
            "attention needs heads divisible by KV heads and head_dim a multiple of 32");
   SW_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "bad rotary_dim ", d.rotary_dim);
   weights_ = load_weights(d, t, wfmt);
+  macs_per_token_ = weights_.macs_per_token();
   const int pages = (max_context + page_size - 1) / page_size;
   pool_ = std::make_shared<KVPagePool>(pages, page_size, std::max(1, d.n_attn()),
                                        std::max(1, d.n_kv_heads), std::max(32, d.head_dim), kv);
@@ -69,7 +70,7 @@ std::vector<float> Engine::prefill_chunks(const std::vector<int>& tokens, bool a
     }
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
-    Forward f(dims_, weights_, threads_);
+    Forward f(dims_, weights_, forward_threads(n));
     std::vector<float> logits = f.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from);
     seq_->set_length(P + c0 + n);
     out.insert(out.end(), logits.begin(), logits.end());
@@ -97,7 +98,7 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
     lay.row_len.push_back(position() + depth[i] + 1);
   }
   begin_change();
-  Forward f(dims_, weights_, threads_);
+  Forward f(dims_, weights_, forward_threads(n));
   std::vector<float> logits = f.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
   tape_parents_ = parents;
   return logits;

@@ -22,6 +22,14 @@ size_t ModelWeights::bytes() const {
   return b;
 }
 
+long long ModelWeights::macs_per_token() const {
+  long long m = (long long)lm_head.rows * lm_head.cols;
+  for (const auto& l : layers)
+    for (const QMatrix* w : {&l.gate, &l.up, &l.down, &l.qkv, &l.z, &l.out, &l.ba, &l.q, &l.k, &l.v, &l.o})
+      m += (long long)w->rows * w->cols;
+  return m;
+}
+
 namespace {
 
 const Tensor& get(const TensorMap& t, const std::string& name, std::vector<int64_t> shape) {

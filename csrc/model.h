@@ -49,6 +49,7 @@ struct ModelWeights {
   std::vector<float> final_norm;           // (1 + w)
   std::vector<LayerWeights> layers;
   size_t bytes() const;
+  long long macs_per_token() const;  // a token's matmul multiply-adds, LM head included
 };
 
 ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat fmt);
