@@ -483,6 +483,26 @@ def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over()
     assert isinstance(pf2, PlainFallback)
 
 
+def test_width_rule_scales_each_shape_by_what_it_realized():
+    """E multiplies per-node chances as if independent; choose_tree scales each candidate by
+    what rounds of its shape (chain or tree) committed against their prediction."""
+    from sapwood.drafters import Lattice
+
+    rule = WidthRule(explore_every=0)
+    rule.cost.observe(1, 100, 0.001)
+    rule.cost.observe(16, 100, 0.0025)
+    lat = Lattice(tokens=[np.array([10 + r, 50 + r, 90 + r]) for r in range(8)],
+                  logprobs=[np.log([0.5, 0.3, 0.2])] * 8)
+    cands = lambda: [grow(0, lat, 16, chance=rule.acceptance.chance), chain(0, lat, 8)]
+    assert not rule.choose_tree(cands(), 100).is_chain  # E alone prefers branching here
+    rule.observe_outcome(2)                             # ... which then commits little
+    for _ in range(30):
+        rule._chosen = (True, 3.0)                      # chains predicted 3, committed 9
+        rule.observe_outcome(9)
+    assert rule.realized(True) > 2.5 and rule.realized(False) < 1.0
+    assert rule.choose_tree(cands(), 100).is_chain
+
+
 def test_drafter_catches_up_in_order_after_plain_rounds_and_a_deferred_prompt(models, monkeypatch):
     """Plain rounds first (and the draft's prompt prefill deferred), then speculation: the draft
     model must prefill the prompt and then the skipped tokens, in order. With the target as its

@@ -258,6 +258,7 @@ class Decoder:
                 if mode not in ("off", "plain"):
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
+                    self.rule.observe_outcome(len(path))
                     # the first round after prefill pays warm-up costs; a calibration round
                     # has fed its own verify timings
                     if not first_round and not calibration:
