@@ -420,67 +420,86 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
     # and plain rounds never let the drafter fall behind: checked in draft()
 
 
-def test_plain_fallback_keeps_drafting_while_speculation_wins():
+def _judged(tokens, seconds=0.002, plain_s=0.0005):
+    """A PlainFallback after speculative rounds committing `tokens` (one each), then as many
+    plain rounds as it asks for to time plain decoding (the first after speculation pays the
+    path's pending steps: slow, and not a plain timing)."""
     from sapwood.policy import PlainFallback
 
     pf = PlainFallback()
-    for _ in range(2):
+    pf.begin_request(max_tokens=128)
+    for t in tokens:
         assert not pf.skip_draft()
-        pf.observe(False, 4, 0.004)   # 1000 tokens/s speculating
-    assert pf.skip_draft()            # plain rounds to measure
-    pf.observe(True, 1, 0.009)        # right after speculation: pays its path's pending steps
-    assert pf.plain_s is None and pf.skip_draft()  # so it does not time plain decoding
-    pf.observe(True, 1, 0.002)        # 500 tokens/s plain
-    assert pf.plain_s == 0.002
-    assert not any(pf.skip_draft() for _ in range(20))
-    slow = PlainFallback()
-    slow.begin_request(max_tokens=100)
-    for _ in range(2):
-        slow.skip_draft()
-        slow.observe(False, 1, 0.005, caught_up=10, catch_up_s=0.001)  # 250 tokens/s + catch-up
-    for _ in range(2):
-        slow.skip_draft()
-        slow.observe(True, 1, 0.002)
-    assert slow.catch_up_per_token == pytest.approx(1e-4)
-    # a probe costs 0.004 - 1 * 0.002 = 0.002 s beyond plain, plus 1e-4 s a token behind
-    assert slow.probe_cost(0) == pytest.approx(0.002) and slow.probe_cost(20) == pytest.approx(0.004)
-    # early probe after 8 plain rounds (0.002 <= 10% of 100 tokens x 0.002 s), then within a
-    # 5% budget one per 0.002 / (0.05 * 0.002) = 20 plain rounds
-    skips = [slow.skip_draft(0) for _ in range(45)]
-    assert skips.count(False) == 2 and skips[7] is False and skips[7 + 20] is False
-    # far behind (a long deferred prompt): no early probe, and the next one much later
-    slow.begin_request(max_tokens=100)
-    skips = [slow.skip_draft(8192) for _ in range(200)]
-    assert all(skips)
+        pf.observe(False, t, seconds)
+    slow = True
+    while pf.plain_s is None and pf.skip_draft():
+        pf.observe(True, 1, 4 * plain_s if slow else plain_s)
+        slow = False
+    return pf
 
 
-def test_plain_fallback_probe_that_wins_switches_back_and_history_carries_over():
+def test_plain_fallback_speculates_first_then_times_steady_plain_rounds():
     from sapwood.policy import PlainFallback
 
+    pf = PlainFallback()
+    pf.begin_request()
+    for _ in range(pf.min_rounds):  # a request speculates its first rounds, whatever came before
+        assert not pf.skip_draft()
+        pf.observe(False, 1, 0.005)
+    assert pf.skip_draft()
+    pf.observe(True, 1, 0.009)          # right after speculation: pays its path's pending steps
+    assert pf.plain_s is None and pf.skip_draft()  # so it does not time plain decoding
+    pf.observe(True, 1, 0.002)
+    assert pf.plain_s == 0.002
+
+
+def test_plain_fallback_goes_plain_only_on_clear_evidence():
+    # 2 ms rounds against 0.5 ms plain tokens: speculation needs 4 tokens a round to pay
+    bad = _judged([1, 2] * 4)                   # bound (1.5 + 2 x 0.19) / 2 ms < 2000 tok/s
+    assert bad.plain_s == 0.0005 and bad.prefers_plain() and bad.skip_draft()
+    unlucky = _judged([1, 6] * 4)               # mean 3.5 but spread out: keeps drafting
+    assert unlucky.plain_s == 0.0005 and not unlucky.prefers_plain()
+    assert not any(unlucky.skip_draft() for _ in range(20))
+    good = _judged([5, 6] * 4)
+    assert not good.prefers_plain() and not good.skip_draft()
+    # the same evidence with faster speculative rounds does not go plain either
+    assert not _judged([1, 2] * 4, seconds=0.0004).prefers_plain()
+
+
+def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
+    pf = _judged([1] * 8, seconds=0.0025, plain_s=0.0005)
+    pf.catch_up_per_token = 1e-4
+    # a probe costs 2.5 - 1 x 0.5 = 2 ms beyond plain (+ 0.1 ms a token behind); within a 5%
+    # budget one per 2 / (0.05 x 0.5) = 80 plain rounds
+    assert pf.probe_cost(0) == pytest.approx(0.002) and pf.probe_cost(10) == pytest.approx(0.003)
+    skips = [pf.skip_draft(0) for _ in range(160)]
+    assert skips.count(False) == 2 and skips[79] is False and skips[159] is False
+    # a probe that beats plain starts the judgement afresh: min_rounds speculative rounds
+    pf.observe(False, 8, 0.002)  # the probe: 4000 tokens/s against 2000
+    assert not any(pf.skip_draft() for _ in range(pf.min_rounds - 1))
+    # the history kept across requests is the plain cost, not the verdict
+    pf.observe(True, 1, 0.0005)
+    pf.begin_request(max_tokens=64)
+    assert pf.plain_s == 0.0005 and not pf.skip_draft()
     rule = WidthRule()
-    pf = rule.plain_fallback(100)
-    for _ in range(2):
-        pf.skip_draft()
-        pf.observe(False, 1, 0.004)    # a bad prompt: 250 tokens/s speculating
-    for _ in range(2):
-        pf.skip_draft()
-        pf.observe(True, 1, 0.002)     # 500 tokens/s plain
-    # the next request in the band starts from that history: plain at once
-    pf2 = rule.plain_fallback(200)
-    assert pf2 is pf and pf2.skip_draft()
-    assert rule.plain_fallback(50000) is not pf  # another band has its own
-    # a good prompt: the request's early probe (after 8 plain rounds) wins and drafting
-    # resumes at once
-    pf2 = rule.plain_fallback(200, max_tokens=256)
-    assert pf2.prefers_plain()
-    decisions = []
-    for _ in range(8):
-        d = pf2.skip_draft()
-        decisions.append(d)
-        pf2.observe(d, 1 if d else 8, 0.002 if d else 0.004)  # probe: 2000 tokens/s
-    assert decisions == [True] * 7 + [False]
-    assert not pf2.skip_draft()
-    assert isinstance(pf2, PlainFallback)
+    assert rule.plain_fallback(100) is rule.plain_fallback(200)  # one per context band
+    assert rule.plain_fallback(50000) is not rule.plain_fallback(100)
+
+
+def test_width_rule_builds_trees_only_while_they_pay():
+    rule = WidthRule(explore_every=4)
+    assert rule.trees_pay()                        # nothing measured yet
+    rule.observe_round(True, 9, 0.002)             # chains: 4500 tokens/s
+    assert rule.trees_pay()                        # no tree measured yet
+    rule.observe_round(False, 5, 0.003)            # trees: 1667 tokens/s
+    assert [rule.trees_pay() for _ in range(8)] == [False, False, False, True] * 2  # exploring
+    for _ in range(40):
+        rule.observe_round(False, 9, 0.0015)       # trees now win: 6000 tokens/s
+    assert all(rule.trees_pay() for _ in range(8))
+    never = WidthRule(explore_every=0)
+    never.observe_round(True, 9, 0.002)
+    never.observe_round(False, 1, 0.003)
+    assert not any(never.trees_pay() for _ in range(20))
 
 
 def test_width_rule_scales_each_shape_by_what_it_realized():
@@ -503,9 +522,9 @@ def test_width_rule_scales_each_shape_by_what_it_realized():
     assert rule.choose_tree(cands(), 100).is_chain
 
 
-def test_drafter_catches_up_in_order_after_plain_rounds_and_a_deferred_prompt(models, monkeypatch):
-    """Plain rounds first (and the draft's prompt prefill deferred), then speculation: the draft
-    model must prefill the prompt and then the skipped tokens, in order. With the target as its
+def test_drafter_catches_up_in_order_after_plain_rounds(models, monkeypatch):
+    """Plain rounds first, then speculation: the draft model must prefill the skipped tokens,
+    in order. With the target as its
     own draft, a correct catch-up makes every drafted row accepted."""
     from sapwood.policy import PlainFallback
 
@@ -518,7 +537,6 @@ def test_drafter_catches_up_in_order_after_plain_rounds_and_a_deferred_prompt(mo
         calls["n"] += 1
         return calls["n"] <= 6  # six plain rounds, then speculate
 
-    monkeypatch.setattr(PlainFallback, "prefers_plain", lambda self: True)
     monkeypatch.setattr(PlainFallback, "skip_draft", skip)
     rounds = []
     r = target.generate(p, max_tokens=40, drafter=str(root / "target"), verify="auto",

@@ -104,7 +104,7 @@ class Decoder:
         self.rule = rule or WidthRule()
         self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
-        self._behind = 0              # ... and with a deferred prompt prefill, the prompt too
+        self._behind = 0              # how many tokens that is
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self.verify_s = 0.0           # this round's verify time(s)
         self.stats = GenerationStats()
@@ -135,7 +135,7 @@ class Decoder:
         if mode == "auto":
             if self.plain.skip_draft(self._behind):
                 return "plain"
-            return "wide" if self.ema.wide() else "chain"
+            return "wide" if self.ema.wide() and self.rule.trees_pay() else "chain"
         return mode
 
     def _build(self, root: int, mode: str, room: int):
@@ -188,13 +188,10 @@ class Decoder:
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
         self.plain = self.rule.plain_fallback(len(self.context), cfg.max_tokens)
-        if hasattr(self.drafter, "sync"):
-            if cfg.verify == "auto" and self.plain.prefers_plain():
-                self._behind = len(self.context)  # prefilled when (if) the drafter drafts
-            else:  # a draft model prefills the prompt too (timed: it prices the catch-ups)
-                t = time.perf_counter()
-                self.drafter.sync(self.context)
-                self.plain.observe_catch_up(len(self.context), time.perf_counter() - t)
+        if hasattr(self.drafter, "sync"):  # a draft model prefills the prompt too (timed: it
+            t = time.perf_counter()          # prices the catch-ups after plain rounds)
+            self.drafter.sync(self.context)
+            self.plain.observe_catch_up(len(self.context), time.perf_counter() - t)
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
@@ -249,9 +246,11 @@ class Decoder:
                 st.draft_rows_accepted += len(path) - 1
                 st.widths.append(width)
                 ctx = eng.position - len(path)  # the round's context
+                round_s = time.perf_counter() - t_round
                 if mode != "off" and not first_round:
-                    self.plain.observe(mode == "plain", len(path), time.perf_counter() - t_round,
-                                       *self._caught_up)
+                    self.plain.observe(mode == "plain", len(path), round_s, *self._caught_up)
+                    if mode != "plain":
+                        self.rule.observe_round(tree.is_chain, len(path), round_s - self._caught_up[1])
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, ctx, self.verify_s)
@@ -273,7 +272,7 @@ class Decoder:
             st.decode_s = time.perf_counter() - t_start
 
     def _catch_up(self) -> None:
-        """Give the drafter what plain rounds (and a deferred prompt) left it behind on, in
+        """Give the drafter what plain rounds left it behind on, in
         order: a draft model prefills every context token it has not seen (Drafter.sync),
         another drafter gets the skipped tokens through advance()."""
         if not self._behind:

@@ -1,12 +1,17 @@
 """Speculation policy: the plain fallback (draft at all?), the admission EMA (chain or wide?)
 and the width rule (how wide?).
 
-Plain fallback (PlainFallback, an addition to DESIGN.md): auto drafts only while speculative
-rounds commit more tokens per second than plain ones, probing again at a bounded cost.
+Plain fallback (PlainFallback, an addition to DESIGN.md): each request drafts until an
+optimistic bound of its speculative rounds' tokens per second falls below plain rounds', then
+probes again at a bounded cost.
 
 Admission EMA (DESIGN.md): `avg` starts at R; after each cycle avg += alpha * (retained - avg)
 with `retained` the draft rows the committed path kept; the next cycle goes wide only while
 avg < threshold. High chain acceptance means the chain already captures the draft's value.
+
+Trees at all (WidthRule.trees_pay, an addition): a round the EMA lets go wide builds a tree
+only while tree rounds commit more tokens per second than chain rounds (one in explore_every
+explores).
 
 Width rule: choose w in [1, the request's largest width] maximising expected committed tokens per second,
     E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, q_n)
@@ -190,51 +195,60 @@ class PlainFallback:
     than a plain step; when the draft is often wrong, or verifying extra nodes is expensive
     (a small model on a CPU is compute-bound), plain decoding emits more tokens per second.
 
-    The decoder times speculative rounds and plain rounds (no draft, the root alone) and
-    drafts only while speculative rounds commit more tokens per second (running average) than
-    plain ones (median of recent rounds). While plain wins, the drafter is left behind (it
-    catches up on the skipped tokens, and on the prompt when its prefill was deferred, before
-    it next drafts), and a speculative round probes again when due: probes cost a speculative
-    round's excess over plain rounds plus the catch-up (tokens behind x the drafter's measured
-    time per token), and are spaced to cost at most `budget` of the time. Each request also
-    gets one early probe after `first_probe` plain rounds (a new prompt may suit the draft far
-    better) when that costs at most `early_budget` of the request's expected time. A probe
-    that beats plain switches back at once. Kept across requests, per context band, in the
-    WidthRule. Output is unaffected: a plain round is a width-1 tree."""
+    Each request judges its own prompt (how well a draft follows it is the prompt's, not the
+    band's): it speculates for its first `min_rounds` rounds, then keeps speculating while an
+    optimistic bound of its speculative rate, the mean tokens of its speculative rounds plus
+    `z` standard errors over their mean time, reaches the plain rate. So it goes plain only on
+    clear evidence, and a prompt where speculation wins by a margin is never judged on a few
+    unlucky rounds (with a running average and the verdict carried across requests, prompts
+    where the chain gains 20% ran plain). The plain rate, the median of recent plain rounds,
+    is kept across requests per context band in the WidthRule: it does not depend on the
+    prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
+    before it next drafts), and a speculative round probes again when due: probes cost a
+    speculative round's excess over plain rounds plus the catch-up (tokens behind x the
+    drafter's measured time per token), and are spaced to cost at most `budget` of the time,
+    at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
+    afresh. Output is unaffected: a plain round is a width-1 tree."""
 
-    def __init__(self, alpha: float = 0.3, budget: float = 0.05, first_probe: int = 8,
-                 early_budget: float = 0.1):
-        self.alpha, self.budget, self.first_probe = alpha, budget, first_probe
-        self.early_budget = early_budget
-        self.spec_tokens = self.spec_s = self.plain_s = None
+    def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
+                 z: float = 2.0, window: int = 16):
+        self.budget, self.first_probe, self.min_rounds = budget, first_probe, min_rounds
+        self.z, self.window = z, window
+        self.plain_s = None
         self._plain_times: list[float] = []  # plain_s is their median: robust to a slow spell
         self.catch_up_per_token = None        # the drafter's seconds per caught-up token
-        self.spec_rounds, self.since_probe = 0, 0
-        self._probing, self._early, self._max_tokens = False, False, 0
+        self._tokens: list[int] = []          # this request's speculative rounds (the last
+        self._secs: list[float] = []          # `window`): tokens committed, seconds
+        self.since_probe, self._probing = 0, False
         self._after_plain = False  # was the last observed round plain?
 
-    def _ema(self, old, new):
-        return new if old is None else old + self.alpha * (new - old)
-
     def begin_request(self, max_tokens: int = 256) -> None:
+        self._tokens, self._secs = [], []
         self.since_probe, self._probing, self._after_plain = 0, False, False
-        self._early, self._max_tokens = True, int(max_tokens)
+
+    def spec_rate_bound(self) -> float:
+        """Tokens/s of this request's speculative rounds at `z` standard errors above their
+        mean tokens a round."""
+        n = len(self._tokens)
+        mean = sum(self._tokens) / n
+        sd = statistics.stdev(self._tokens) if n > 1 else mean
+        return (mean + self.z * sd / n ** 0.5) / (sum(self._secs) / n)
 
     def prefers_plain(self) -> bool:
-        """Would the next round be plain (nothing probed)? The decoder then defers the
-        drafter's prompt prefill until it drafts, out of the time to first token."""
-        return (self.spec_rounds >= 2 and self.plain_s is not None
-                and self.spec_tokens / self.spec_s < 1.0 / self.plain_s)
+        """Would the next round be plain (nothing probed)?"""
+        return (len(self._tokens) >= self.min_rounds and self.plain_s is not None
+                and self.spec_rate_bound() < 1.0 / self.plain_s)
 
     def probe_cost(self, behind: int) -> float:
         """Seconds a probe costs beyond plain rounds emitting the same tokens."""
-        extra = max(self.spec_s - self.spec_tokens * self.plain_s, 0.0)
+        n = len(self._tokens)
+        extra = max((sum(self._secs) - sum(self._tokens) * self.plain_s) / n, 0.0)
         return extra + behind * (self.catch_up_per_token or 0.0)
 
     def skip_draft(self, behind: int = 0) -> bool:
         """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
-        if self.spec_rounds < 2:
+        if len(self._tokens) < self.min_rounds:
             return False
         if self.plain_s is None:
             return True  # measure plain rounds
@@ -242,13 +256,8 @@ class PlainFallback:
             return False
         self.since_probe += 1
         cost = self.probe_cost(behind)
-        if self._early and self.since_probe >= self.first_probe:
-            self._early = False
-            due = cost <= self.early_budget * self._max_tokens * self.plain_s
-        else:
-            due = self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s))
-        if due:
-            self.since_probe, self._early, self._probing = 0, False, True
+        if self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s)):
+            self.since_probe, self._probing = 0, True
             return False
         return True
 
@@ -256,7 +265,9 @@ class PlainFallback:
         """The drafter took `seconds` to take in `tokens` context tokens (a prompt prefill or a
         catch-up)."""
         if tokens:
-            self.catch_up_per_token = self._ema(self.catch_up_per_token, seconds / tokens)
+            per = seconds / tokens
+            old = self.catch_up_per_token
+            self.catch_up_per_token = per if old is None else old + 0.3 * (per - old)
 
     def observe(self, plain: bool, tokens: int, seconds: float, caught_up: int = 0,
                 catch_up_s: float = 0.0) -> None:
@@ -277,11 +288,10 @@ class PlainFallback:
         self.observe_catch_up(caught_up, catch_up_s)
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
-            self.spec_tokens, self.spec_s = float(tokens), seconds
-        else:
-            self.spec_tokens = self._ema(self.spec_tokens, float(tokens))
-            self.spec_s = self._ema(self.spec_s, seconds)
-        self.spec_rounds += 1
+            self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
+        self._tokens.append(int(tokens))
+        self._secs.append(seconds)
+        del self._tokens[:-self.window], self._secs[:-self.window]
 
 
 @dataclass
@@ -303,6 +313,8 @@ class WidthRule:
     # is_chain -> decayed sums (predicted E, committed tokens), seeded as 10 tokens each
     _outcomes: dict = field(default_factory=lambda: {True: (10.0, 10.0), False: (10.0, 10.0)})
     _chosen: tuple | None = None
+    _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})  # decayed
+    _since_wide: int = 0                              # (tokens, seconds) of rounds by shape
 
     def plain_fallback(self, ctx: int, max_tokens: int = 256) -> PlainFallback:
         """The PlainFallback of ctx's band, ready for a new request."""
@@ -339,16 +351,36 @@ class WidthRule:
         shape realized against their prediction. E multiplies per-node chances as if
         independent, but drafts are right in stretches: on the bundled pair a chain predicted
         4-7 tokens committed all 9 in most rounds while wide trees committed about what they
-        predicted, so unscaled E chose trees costing 0.1-0.6 ms more a round for nothing.
-        Scaled, auto against the chain on the cohort went from x0.944 to x0.972 decode tokens/s
-        (geometric mean, one 3-block A/B each; structured and docstring prompts from -1..-2%
-        to parity)."""
+        predicted, so unscaled E chose trees costing 0.1-0.6 ms more a round for nothing (auto
+        10% behind the chain at equal tokens per round)."""
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
         rates = [self.rate(t, ctx, costs) * self.realized(t.is_chain) for t in candidates]
         k = int(np.argmax([r.max() for r in rates]))
         tree = candidates[k].prefix(self._pick(rates[k]))
         self._chosen = (tree.is_chain, float(self.acceptance.expected_tokens(tree)[-1]))
         return tree
+
+    def trees_pay(self) -> bool:
+        """May an auto round that the admission EMA lets go wide build a tree? Not while
+        rounds that verified trees commit fewer tokens per second than chain rounds: then the
+        chain is drafted and verified as in chain mode, without growing and pricing a tree
+        (~0.15-0.25 ms of Python a round, 7-10% of a round on the bundled pair, where auto ran
+        8-10% behind the chain on prompts where both took the same paths), except one round
+        in `explore_every` that keeps the trees' rate current."""
+        (ct, cs), (tt, ts) = self._rates[True], self._rates[False]
+        if ts == 0.0 or cs == 0.0 or tt / ts >= ct / cs:
+            return True
+        self._since_wide += 1
+        if self.explore_every and self._since_wide >= self.explore_every:
+            self._since_wide = 0
+            return True
+        return False
+
+    def observe_round(self, chain: bool, tokens: int, seconds: float) -> None:
+        """A speculative round verifying a chain (or a tree) committed `tokens` in `seconds`
+        (drafting, growth, verify, walk and commit; catch-ups excluded)."""
+        t, s = self._rates[chain]
+        self._rates[chain] = (self.outcome_decay * t + tokens, self.outcome_decay * s + seconds)
 
     def observe_outcome(self, tokens: int) -> None:
         """The tree choose_tree returned last committed `tokens` (its path, root included)."""
