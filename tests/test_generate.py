@@ -487,7 +487,7 @@ def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
 
 
 def test_width_rule_builds_trees_only_while_they_pay():
-    rule = WidthRule(explore_every=4)
+    rule = WidthRule(tree_explore_every=4)
     assert rule.trees_pay()                        # nothing measured yet
     rule.observe_round(True, 9, 0.002)             # chains: 4500 tokens/s
     assert rule.trees_pay()                        # no tree measured yet
@@ -496,7 +496,7 @@ def test_width_rule_builds_trees_only_while_they_pay():
     for _ in range(40):
         rule.observe_round(False, 9, 0.0015)       # trees now win: 6000 tokens/s
     assert all(rule.trees_pay() for _ in range(8))
-    never = WidthRule(explore_every=0)
+    never = WidthRule(tree_explore_every=0)
     never.observe_round(True, 9, 0.002)
     never.observe_round(False, 1, 0.003)
     assert not any(never.trees_pay() for _ in range(20))
