@@ -421,36 +421,57 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
 
 
 def _judged(tokens, seconds=0.002, plain_s=0.0005):
-    """A PlainFallback after speculative rounds committing `tokens` (one each), then as many
-    plain rounds as it asks for to time plain decoding (the first after speculation pays the
-    path's pending steps: slow, and not a plain timing)."""
+    """A PlainFallback after a request's speculative rounds committing `tokens` (one each) in
+    `seconds`, with the plain rounds it asks for on the way (the first after speculation pays
+    the path's pending steps: 4x slow, and not a plain timing)."""
     from sapwood.policy import PlainFallback
 
     pf = PlainFallback()
-    pf.begin_request(max_tokens=128)
-    for t in tokens:
-        assert not pf.skip_draft()
-        pf.observe(False, t, seconds)
-    slow = True
-    while pf.plain_s is None and pf.skip_draft():
-        pf.observe(True, 1, 4 * plain_s if slow else plain_s)
-        slow = False
+    pf.begin_request(cap=9)
+    todo, after_spec = list(tokens), False
+    while todo or (pf.plain_s is None and pf.skip_draft()):
+        if not todo or pf.skip_draft():
+            pf.observe(True, 1, 4 * plain_s if after_spec else plain_s)
+            after_spec = False
+        else:
+            pf.observe(False, todo.pop(0), seconds)
+            after_spec = True
     return pf
 
 
-def test_plain_fallback_speculates_first_then_times_steady_plain_rounds():
+def test_plain_fallback_times_speculation_then_steady_plain_rounds():
     from sapwood.policy import PlainFallback
 
     pf = PlainFallback()
     pf.begin_request()
-    for _ in range(pf.min_rounds):  # a request speculates its first rounds, whatever came before
+    toks = [1, 5] * 4   # 3 tokens a round in 5 ms: 600 tokens/s, against 1000 plain
+    for t in toks[:2]:
         assert not pf.skip_draft()
-        pf.observe(False, 1, 0.005)
+        pf.observe(False, t, 0.005)
     assert pf.skip_draft()
     pf.observe(True, 1, 0.009)          # right after speculation: pays its path's pending steps
     assert pf.plain_s is None and pf.skip_draft()  # so it does not time plain decoding
-    pf.observe(True, 1, 0.002)
-    assert pf.plain_s == 0.002
+    pf.observe(True, 1, 0.001)
+    assert pf.plain_s == 0.001
+    # then speculation again: over the first min_rounds the bound is wide (z_early)...
+    for t in toks[2:]:
+        assert not pf.skip_draft()
+        pf.observe(False, t, 0.005)
+    assert pf.spec_rate_bound(pf.z_early) > 1000 > pf.spec_rate_bound(pf.z)
+    assert pf.skip_draft()              # ... then z standard errors: plain
+
+
+def test_plain_fallback_gives_up_early_on_strong_evidence():
+    pf = _judged([1, 1, 2])             # 2 ms rounds of 1.3 tokens against 0.5 ms plain ones
+    assert pf.plain_s == 0.0005 and pf.prefers_plain()
+
+
+def test_plain_fallback_gives_up_at_once_where_even_full_rounds_lose():
+    # 20 ms rounds (a deep context) against 0.5 ms plain tokens: 9 tokens a round would lose
+    pf = _judged([9, 9])
+    assert pf.plain_s == 0.0005 and not pf.prefers_plain()
+    pf = _judged([9, 9], seconds=0.02)
+    assert pf.hopeless() and pf.prefers_plain() and pf.skip_draft()
 
 
 def test_plain_fallback_goes_plain_only_on_clear_evidence():
@@ -479,7 +500,7 @@ def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
     assert not any(pf.skip_draft() for _ in range(pf.min_rounds - 1))
     # the history kept across requests is the plain cost, not the verdict
     pf.observe(True, 1, 0.0005)
-    pf.begin_request(max_tokens=64)
+    pf.begin_request()
     assert pf.plain_s == 0.0005 and not pf.skip_draft()
     rule = WidthRule()
     assert rule.plain_fallback(100) is rule.plain_fallback(200)  # one per context band

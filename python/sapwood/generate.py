@@ -187,7 +187,7 @@ class Decoder:
         self.finish_reason = "length"
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
-        self.plain = self.rule.plain_fallback(len(self.context), cfg.max_tokens)
+        self.plain = self.rule.plain_fallback(len(self.context), cfg.rows + 1)
         if hasattr(self.drafter, "sync"):  # a draft model prefills the prompt too (timed: it
             t = time.perf_counter()          # prices the catch-ups after plain rounds)
             self.drafter.sync(self.context)
