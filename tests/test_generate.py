@@ -5,7 +5,7 @@ import pytest
 
 import sapwood
 from sapwood.drafters import Lattice, LookupDrafter
-from sapwood.policy import AcceptanceModel, AdmissionEMA, CostModel, WidthRule
+from sapwood.policy import AcceptanceModel, AdmissionEMA, CostModel, PlainFallback, WidthRule
 from sapwood.testing import make_tiny_checkpoint
 from sapwood.tree import chain, grow
 
@@ -566,3 +566,26 @@ def test_drafter_catches_up_in_order_after_plain_rounds(models, monkeypatch):
     assert [w for w, _ in rounds[:6]] == [1] * 6
     drafted = [(w, k) for w, k in rounds[6:] if w > 1]
     assert drafted and all(k == w for w, k in drafted if w <= 9), drafted  # every node accepted
+
+
+def test_fallback_replay_keeps_good_prompts_speculative_and_bad_ones_plain():
+    """bench/replay_fallback.py on two recorded prompts: one the draft follows (every chain
+    round commits 9 tokens in 2 ms), one it does not (1 token); plain decoding 2000 tokens/s."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_fallback", Path(__file__).parents[1] / "bench" / "replay_fallback.py")
+    rf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rf)
+    a = types.SimpleNamespace(max_tokens=128, rows=8, switch=0.2, catch_up=[0.1, 0.015],
+                              overhead=0.0)
+    good = {"chain_rounds": [(9, 0.002)] * 15, "plain_tok_s": 2000.0}
+    bad = {"chain_rounds": [(1, 0.002)] * 128, "plain_tok_s": 2000.0}
+    pf = PlainFallback()  # one band: the bad prompt first times plain rounds for both
+    rate = {(name, m): rf.replay_prompt(rec, m, pf if m == "auto" else None, a)
+            for name, rec in (("bad", bad), ("good", good)) for m in ("chain", "off", "auto")}
+    assert rate["good", "chain"] == pytest.approx(4500, rel=0.01)
+    assert rate["good", "auto"] >= 0.98 * rate["good", "chain"]
+    assert rate["bad", "auto"] >= 0.85 * rate["bad", "off"] > rate["bad", "chain"]

@@ -199,13 +199,14 @@ class PlainFallback:
     band's): it keeps speculating while an optimistic bound of its speculative rate, the mean
     tokens of its speculative rounds plus `z` standard errors over their mean time, reaches
     the plain rate; over its first `min_rounds` rounds the bound takes `z_early` standard
-    errors (and gives up at once where even rounds committing `cap` tokens would lose). The
-    parameters come from replaying recorded chain rounds of the cohort and of the width
-    study's contexts (cohort vs chain x1.023, worst prompt x0.98; without the early bound
-    the study's depth-2048 text ran at 0.82 of plain decoding, with it 0.88). So it goes plain only on
-    clear evidence, and a prompt where speculation wins by a margin is never judged on a few
-    unlucky rounds (with a running average and the verdict carried across requests, prompts
-    where the chain gains 20% ran plain). The plain rate, the median of recent plain rounds,
+    errors (and gives up at once where even rounds committing `cap` tokens would lose). So
+    it goes plain only on clear evidence, and a prompt where speculation wins by a margin is
+    never judged on a few unlucky rounds: drafts are harder at the start of a reply, and with
+    a running average and the verdict carried across requests, prompts where the chain gains
+    20% ran plain. The parameters come from replaying recorded chain rounds
+    (bench/replay_fallback.py): cohort vs chain x1.023, worst prompt x0.98; without the early
+    bound the width study's depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The
+    plain rate, the median of recent plain rounds,
     is kept across requests per context band in the WidthRule: it does not depend on the
     prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
     before it next drafts), and a speculative round probes again when due: probes cost a

@@ -1,0 +1,117 @@
+"""Replays recorded chain rounds through the plain fallback (PlainFallback) to compare its
+parameters without the noise of live A/Bs.
+
+    python bench/replay_fallback.py record [--out rounds.json] [--depths 2048 8192]
+    python bench/replay_fallback.py replay rounds.json [--z 2 --z-early 4 --min-rounds 8 ...]
+
+record: for each cohort prompt (and the width study's context at each --depths), the rounds of
+a greedy chain request (tokens committed, seconds) and the plain decode rate.
+replay: per prompt, a request of --max-tokens under the policy. A speculative round starting
+at output position p commits up to the next position where the recorded chain failed (the
+draft misses the same tokens wherever its chain starts; at most rows + 1) and costs the
+prompt's median chain round; a plain round costs 1 / plain rate. Costs the recording does not
+hold are parameters: --switch (the first plain round after a speculative one, which runs the
+committed path's GDN steps), --catch-up (the drafter's prefill of skipped tokens: a fixed part
+and a per-token part) and --overhead (auto's extra Python a speculative round). Prompts share
+one policy object in cohort order, as a server's band would. Reported: auto against the chain
+(geometric mean, worst prompt, prompts below 0.98) and against plain decoding.
+"""
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+from sapwood.policy import PlainFallback
+
+
+def record(a):
+    import sapwood
+    from sapwood.benchmarks.width import context_text
+
+    model = sapwood.load("default", max_context=max(a.depths + [0]) + a.max_tokens + 300)
+    prompts = [(p["id"], p["text"]) for p in json.load(open(a.cohort))["prompts"]]
+    if a.depths:
+        ids = model.encode(context_text(6 * max(a.depths) + 1000))
+        prompts += [(f"depth{d}", ids[:d]) for d in a.depths]
+    model.generate(prompts[0][1], verify="chain", max_tokens=16)  # warm-up
+    out = {}
+    for pid, p in prompts:
+        rounds = []
+        model.generate(p, verify="chain", max_tokens=a.max_tokens, cache_prompt=True,
+                       on_round=lambda t, path, s: rounds.append((len(path), s)))
+        plain = model.generate(p, verify="off", max_tokens=a.max_tokens, cache_prompt=True)
+        out[pid] = {"chain_rounds": rounds, "plain_tok_s": plain.stats.decode_tokens_per_s}
+        print(pid, len(rounds), "chain rounds;", round(plain.stats.decode_tokens_per_s), "tok/s plain")
+    json.dump(out, open(a.out, "w"))
+
+
+def replay_prompt(rec, mode, pf, a):
+    fails = np.cumsum([k for k, _ in rec["chain_rounds"]])  # where each chain round stopped
+    spec_s = statistics.median(s for _, s in rec["chain_rounds"][1:])
+    plain_s = 1.0 / rec["plain_tok_s"]
+    if pf is not None:
+        pf.begin_request(a.rows + 1)
+    pos, t, behind, after_spec, first = 0, 0.0, 0, False, True
+    while pos < a.max_tokens:
+        plain = mode == "off" or (mode == "auto" and pf.skip_draft(behind))
+        caught = (0, 0.0)
+        if plain:
+            dt, tok = plain_s + (a.switch * 1e-3 if after_spec else 0.0), 1
+            behind += 1
+        else:
+            nxt = fails[fails > pos]
+            tok = int(min(nxt[0] - pos if nxt.size else a.rows + 1, a.rows + 1))
+            cu = (a.catch_up[0] + a.catch_up[1] * behind) * 1e-3 if behind else 0.0
+            dt = spec_s + cu + (a.overhead * 1e-3 if mode == "auto" else 0.0)
+            caught, behind = (behind, cu), 0
+        if mode == "auto" and not first:  # the first round after prefill is not observed
+            pf.observe(plain, tok, dt, *caught)
+        first, after_spec = False, not plain
+        pos, t = pos + tok, t + dt
+    return pos / t
+
+
+def replay(a):
+    rec = json.load(open(a.rounds))
+    kw = dict(z=a.z, z_early=a.z_early, min_rounds=a.min_rounds)
+    rates = {m: {} for m in ("chain", "off", "auto")}
+    for group in ([p for p in rec if not p.startswith("depth")], [p for p in rec if p.startswith("depth")]):
+        pf = PlainFallback(**kw)
+        for pid in group:
+            for m in rates:
+                rates[m][pid] = replay_prompt(rec[pid], m, pf if m == "auto" else None, a)
+    cohort = [p for p in rec if not p.startswith("depth")]
+    r = [rates["auto"][p] / rates["chain"][p] for p in cohort]
+    print(f"{kw}: cohort auto vs chain x{np.exp(np.mean(np.log(r))):.3f}, worst x{min(r):.3f}, "
+          f"{sum(x < 0.98 for x in r)} below 0.98; auto vs off x"
+          f"{np.exp(np.mean(np.log([rates['auto'][p] / rates['off'][p] for p in cohort]))):.3f}")
+    for p in rec:
+        print(f"  {p:>18}: auto/chain {rates['auto'][p] / rates['chain'][p]:.3f}  "
+              f"auto/off {rates['auto'][p] / rates['off'][p]:.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    rc = sub.add_parser("record")
+    rc.add_argument("--out", default="rounds.json")
+    rc.add_argument("--cohort", default="bench/cohort.json")
+    rc.add_argument("--depths", nargs="*", type=int, default=[2048, 8192])
+    rc.add_argument("--max-tokens", type=int, default=128)
+    rp = sub.add_parser("replay")
+    rp.add_argument("rounds")
+    rp.add_argument("--z", type=float, default=2.0)
+    rp.add_argument("--z-early", type=float, default=4.0)
+    rp.add_argument("--min-rounds", type=int, default=8)
+    rp.add_argument("--max-tokens", type=int, default=128)
+    rp.add_argument("--rows", type=int, default=8)
+    rp.add_argument("--switch", type=float, default=0.2, help="ms")
+    rp.add_argument("--catch-up", type=float, nargs=2, default=[0.1, 0.015], help="ms, ms/token")
+    rp.add_argument("--overhead", type=float, default=0.0, help="ms")
+    a = ap.parse_args()
+    record(a) if a.cmd == "record" else replay(a)
+
+
+if __name__ == "__main__":
+    main()
