@@ -509,9 +509,9 @@ def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
 
 def test_width_rule_builds_trees_only_while_they_pay():
     rule = WidthRule(tree_explore_every=4)
-    assert rule.trees_pay()                        # nothing measured yet
+    # nothing measured: chains first, trees explored one eligible round in 4
+    assert [rule.trees_pay() for _ in range(4)] == [False, False, False, True]
     rule.observe_round(True, 9, 0.002)             # chains: 4500 tokens/s
-    assert rule.trees_pay()                        # no tree measured yet
     rule.observe_round(False, 5, 0.003)            # trees: 1667 tokens/s
     assert [rule.trees_pay() for _ in range(8)] == [False, False, False, True] * 2  # exploring
     for _ in range(40):
