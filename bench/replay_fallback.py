@@ -12,9 +12,11 @@ draft misses the same tokens wherever its chain starts; at most rows + 1) and co
 prompt's median chain round; a plain round costs 1 / plain rate. Costs the recording does not
 hold are parameters: --switch (the first plain round after a speculative one, which runs the
 committed path's GDN steps), --catch-up (the drafter's prefill of skipped tokens: a fixed part
-and a per-token part) and --overhead (auto's extra Python a speculative round). Prompts share
-one policy object in cohort order, as a server's band would. Reported: auto against the chain
-(geometric mean, worst prompt, prompts below 0.98) and against plain decoding.
+and a per-token part) and --overhead (auto's extra Python a speculative round). The cohort's
+prompts share one policy object in cohort order, as a server's band would; each depth is a
+band of its own asked again and again, as the width study does (--passes rounds of all of it).
+Reported for the first and the last pass: auto against the chain (geometric mean, worst
+prompt, prompts below 0.98) and against plain decoding.
 """
 import argparse
 import json
@@ -75,20 +77,28 @@ def replay_prompt(rec, mode, pf, a):
 def replay(a):
     rec = json.load(open(a.rounds))
     kw = dict(z=a.z, z_early=a.z_early, min_rounds=a.min_rounds)
-    rates = {m: {} for m in ("chain", "off", "auto")}
-    for group in ([p for p in rec if not p.startswith("depth")], [p for p in rec if p.startswith("depth")]):
-        pf = PlainFallback(**kw)
-        for pid in group:
-            for m in rates:
-                rates[m][pid] = replay_prompt(rec[pid], m, pf if m == "auto" else None, a)
     cohort = [p for p in rec if not p.startswith("depth")]
-    r = [rates["auto"][p] / rates["chain"][p] for p in cohort]
-    print(f"{kw}: cohort auto vs chain x{np.exp(np.mean(np.log(r))):.3f}, worst x{min(r):.3f}, "
-          f"{sum(x < 0.98 for x in r)} below 0.98; auto vs off x"
-          f"{np.exp(np.mean(np.log([rates['auto'][p] / rates['off'][p] for p in cohort]))):.3f}")
-    for p in rec:
-        print(f"  {p:>18}: auto/chain {rates['auto'][p] / rates['chain'][p]:.3f}  "
-              f"auto/off {rates['auto'][p] / rates['off'][p]:.3f}")
+    depths = [p for p in rec if p.startswith("depth")]
+    # the cohort shares one band; each depth is its own band, asked `passes` times (as the
+    # width study asks one context again and again)
+    rates = [{m: {} for m in ("chain", "off", "auto")} for _ in range(a.passes)]
+    bands = [(PlainFallback(**kw), cohort)] + [(PlainFallback(**kw), [d]) for d in depths]
+    for pf, group in bands:
+        for k in range(a.passes):
+            for pid in group:
+                for m in rates[k]:
+                    rates[k][m][pid] = replay_prompt(rec[pid], m, pf if m == "auto" else None, a)
+    for k in (0, a.passes - 1):
+        r = [rates[k]["auto"][p] / rates[k]["chain"][p] for p in cohort]
+        off = [rates[k]["auto"][p] / rates[k]["off"][p] for p in cohort]
+        print(f"pass {k + 1} {kw}: cohort auto vs chain x{np.exp(np.mean(np.log(r))):.3f}, "
+              f"worst x{min(r):.3f}, {sum(x < 0.98 for x in r)} below 0.98; auto vs off "
+              f"x{np.exp(np.mean(np.log(off))):.3f}; " + ", ".join(
+                  f"{d} auto/off {rates[k]['auto'][d] / rates[k]['off'][d]:.3f}" for d in depths))
+    if a.verbose:
+        for p in rec:
+            print(f"  {p:>18}: auto/chain {rates[-1]['auto'][p] / rates[-1]['chain'][p]:.3f}  "
+                  f"auto/off {rates[-1]['auto'][p] / rates[-1]['off'][p]:.3f}")
 
 
 def main():
@@ -104,6 +114,8 @@ def main():
     rp.add_argument("--z", type=float, default=2.0)
     rp.add_argument("--z-early", type=float, default=4.0)
     rp.add_argument("--min-rounds", type=int, default=8)
+    rp.add_argument("--passes", type=int, default=3)
+    rp.add_argument("--verbose", action="store_true")
     rp.add_argument("--max-tokens", type=int, default=128)
     rp.add_argument("--rows", type=int, default=8)
     rp.add_argument("--switch", type=float, default=0.2, help="ms")

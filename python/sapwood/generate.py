@@ -248,9 +248,11 @@ class Decoder:
                 ctx = eng.position - len(path)  # the round's context
                 round_s = time.perf_counter() - t_round
                 if mode != "off" and not first_round:
-                    self.plain.observe(mode == "plain", len(path), round_s, *self._caught_up)
+                    if cfg.verify == "auto":  # the fallback judges auto's own rounds only
+                        self.plain.observe(mode == "plain", len(path), round_s, *self._caught_up)
                     if mode != "plain":
-                        self.rule.observe_round(tree.is_chain, len(path), round_s - self._caught_up[1])
+                        self.rule.observe_round(tree.is_chain, len(path),
+                                                round_s - self._caught_up[1])
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, ctx, self.verify_s)
