@@ -12,6 +12,8 @@ python bench/tokens_per_cycle.py --max-tokens 64 --out $R/tokens_per_cycle.json 
 sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 3 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
 sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
 sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
+python bench/replay_fallback.py record --out $R/fallback_rounds.json > /dev/null
+python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $R/fallback_replay.txt
 GGUF=()
 if [ -n "${LLAMA_CPP:-}" ]; then
   for t in q8_0 f32; do

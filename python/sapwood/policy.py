@@ -204,9 +204,9 @@ class PlainFallback:
     never judged on a few unlucky rounds: drafts are harder at the start of a reply, and with
     a running average and the verdict carried across requests, prompts where the chain gains
     20% ran plain. The parameters come from replaying recorded chain rounds
-    (bench/replay_fallback.py): cohort vs chain x1.023, worst prompt x0.98 (x1.019 and
-    x0.925 in a second pass, the plain rate known from the start); without the early bound
-    the width study's depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The
+    (bench/replay_fallback.py; bench/results/fallback_replay.txt): cohort vs chain x1.017-1.023
+    over two recordings, worst prompt x0.92-0.98; without the early bound the width study's
+    depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The
     plain rate, the median of recent plain rounds,
     is kept across requests per context band in the WidthRule: it does not depend on the
     prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
