@@ -46,7 +46,9 @@ def test_dequantized_weights_are_close(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_batch_invariant_bitwise(fmt):
     rng = np.random.default_rng(2)
-    w = rng.standard_normal((100, 200)).astype(np.float32)
+    # 600 outputs: several jobs of one-row matmuls (256 outputs) and of batches (64), partial
+    # last ones, a partial Q8 group
+    w = rng.standard_normal((600, 200)).astype(np.float32)
     x = rng.standard_normal((16, 200)).astype(np.float32)
     m = _core.WeightMatrix(w, fmt)
     full = m.matmul(x)
@@ -76,7 +78,8 @@ def matmul_on_every_isa(m, x):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out,cols,rows", [(50, 160, 7), (64, 256, 16), (37, 288, 1), (9, 32, 5),
                                            (6, 64, 2), (11, 96, 3), (150, 96, 1), (200, 64, 3),
-                                           (70, 160, 37), (130, 288, 17), (16, 96, 33)])
+                                           (70, 160, 37), (130, 288, 17), (16, 96, 33),
+                                           (600, 96, 1)])
 def test_kernel_variants_bitwise(fmt, out, cols, rows):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((out, cols)).astype(np.float32)
