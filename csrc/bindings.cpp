@@ -207,7 +207,7 @@ PYBIND11_MODULE(_core, m) {
                py::gil_scoped_release release;
                if (q.fmt == WFormat::Q8 || q.fmt == WFormat::Q4) acts.quantize(x.data(), n, q.cols, q.cols_pad);
                MatmulProblem pb{&q, x.data(), &acts, n, y.mutable_data()};
-               kernels().matmul(pb, threads);
+               kernels().matmul(&pb, 1, threads);
              }
              return y;
            },

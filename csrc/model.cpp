@@ -131,23 +131,25 @@ ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   return w;
 }
 
-void Forward::mm(const QMatrix& w, const float* x, int n, float* y, bool same_x) {
-  // same_x: x is the input of the previous mm (qkv/z share h, gate/up share y): its row
-  // quantization in acts_ is reused instead of being computed again.
-  const bool quant = w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4;
-  if (quant && !(same_x && acts_.n == n && acts_.cols_pad == w.cols_pad))
-    acts_.quantize(x, n, w.cols, w.cols_pad);
-  MatmulProblem pb{&w, x, &acts_, n, y};
-  kernels().matmul(pb, threads_);
+void Forward::mm(const float* x, int n, std::initializer_list<std::pair<const QMatrix*, float*>> outs) {
+  // One quantization of x and one parallel region for every matrix that reads it (qkv|z,
+  // gate|up, q|k|v): one hand-off and one tail instead of one per matrix. Bundled target,
+  // medians of 4 alternated processes: one-token verify 390 -> 360 us, 9 nodes 1104 -> 1070;
+  // realistic 0.66B decode step 26.2 -> 25.4 ms.
+  const QMatrix& w = *outs.begin()->first;
+  if (w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4) acts_.quantize(x, n, w.cols, w.cols_pad);
+  MatmulProblem pbs[kMaxMatmuls];
+  int count = 0;
+  for (const auto& [wi, y] : outs) pbs[count++] = MatmulProblem{wi, x, &acts_, n, y};
+  kernels().matmul(pbs, count, threads_);
 }
 
 void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out) {
   const LayerWeights& L = w_.layers[l];
   const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
   std::vector<float> qkv(size_t(n) * C), z(size_t(n) * V), ba(size_t(n) * 2 * hv);
-  mm(L.qkv, h, n, qkv.data());
-  mm(L.z, h, n, z.data(), /*same_x=*/true);
-  mm(L.ba, h, n, ba.data());
+  mm(h, n, {{&L.qkv, qkv.data()}, {&L.z, z.data()}});
+  mm(h, n, {{&L.ba, ba.data()}});  // f32, always
   std::vector<float> beta(size_t(n) * hv), gdec(size_t(n) * hv), o(size_t(n) * V);
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < hv; ++j) {
@@ -164,7 +166,7 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
   // unchanged; silu_mul writes the gate's product over the normed o
   kernels().rms_norm(o.data(), L.gnorm.data(), n * hv, dv, d_.eps, o.data());
   kernels().silu_mul(z.data(), o.data(), o.data(), o.size());
-  mm(L.out, o.data(), n, out);
+  mm(o.data(), n, {{&L.out, out}});
 }
 
 void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
@@ -174,9 +176,7 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
   std::vector<float> qg(size_t(n) * Hq * 2 * D), q(size_t(n) * Hq * D), gate(size_t(n) * Hq * D);
   tape.k.resize(size_t(n) * Hkv * D);
   tape.v.resize(size_t(n) * Hkv * D);
-  mm(L.q, h, n, qg.data());
-  mm(L.k, h, n, tape.k.data(), /*same_x=*/true);
-  mm(L.v, h, n, tape.v.data(), /*same_x=*/true);
+  mm(h, n, {{&L.q, qg.data()}, {&L.k, tape.k.data()}, {&L.v, tape.v.data()}});
   for (int i = 0; i < n; ++i) {
     for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
       const float* src = qg.data() + (size_t(i) * Hq + hh) * 2 * D;
@@ -211,7 +211,7 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
                  1.0f / std::sqrt(float(D))};
   kernels().tree_attention(pb, threads_);
   for (size_t i = 0; i < att.size(); ++i) att[i] *= sigmoid(gate[i]);
-  mm(L.o, att.data(), n, out);
+  mm(att.data(), n, {{&L.o, out}});
 }
 
 }  // namespace sapwood
@@ -237,16 +237,15 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
     }
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
     kernels().rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
-    mm(L.gate, h.data(), n, g.data());
-    mm(L.up, h.data(), n, u.data(), /*same_x=*/true);
+    mm(h.data(), n, {{&L.gate, g.data()}, {&L.up, u.data()}});
     kernels().silu_mul(g.data(), u.data(), g.data(), g.size());
-    mm(L.down, g.data(), n, mix.data());
+    mm(g.data(), n, {{&L.down, mix.data()}});
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
   }
   const int m = n - logit_from;
   kernels().rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
   std::vector<float> logits(size_t(m) * d_.vocab);
-  mm(d_.tied ? w_.embed : w_.lm_head, h.data(), m, logits.data());
+  mm(h.data(), m, {{d_.tied ? &w_.embed : &w_.lm_head, logits.data()}});
   return logits;
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 #include <map>
 #include <string>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "gdn_layer.h"
@@ -77,7 +79,8 @@ class Forward {
                          std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from);
 
  private:
-  void mm(const QMatrix& w, const float* x, int n, float* y, bool same_x = false);
+  // y = x W^T for each (W, y): matrices that read the same x share one parallel region
+  void mm(const float* x, int n, std::initializer_list<std::pair<const QMatrix*, float*>> outs);
   void gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out);
   void attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
                   KVTape& tape, float* out);

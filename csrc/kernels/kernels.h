@@ -67,6 +67,7 @@ struct GDNTreeProblem {
 };
 
 // y [n][w.rows] = x [n][w.cols] W^T; Q8/Q4 read `acts` (x quantized per row) instead of x.
+constexpr int kMaxMatmuls = 3;  // q|k|v
 struct MatmulProblem {
   const QMatrix* w;
   const float* x;
@@ -80,7 +81,9 @@ struct KernelTable {
   void (*tree_attention)(const AttnProblem&, int threads);
   void (*gdn_conv)(const GDNConvProblem&, int threads);
   void (*gdn_tree)(const GDNTreeProblem&, int threads);
-  void (*matmul)(const MatmulProblem&, int threads);
+  // y_i = x W_i^T for `count` (1..kMaxMatmuls) problems sharing x, n, acts and the weights'
+  // format and width, in one parallel region
+  void (*matmul)(const MatmulProblem* problems, int count, int threads);
   // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc;
   // out may alias x or u
   void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
