@@ -131,7 +131,8 @@ ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   return w;
 }
 
-void Forward::mm(const float* x, int n, std::initializer_list<std::pair<const QMatrix*, float*>> outs) {
+void Forward::mm(const float* x, int n,
+                 std::initializer_list<std::pair<const QMatrix*, float*>> outs) {
   // One quantization of x and one parallel region for every matrix that reads it (qkv|z,
   // gate|up, q|k|v): one hand-off and one tail instead of one per matrix. Bundled target,
   // medians of 4 alternated processes: one-token verify 390 -> 360 us, 9 nodes 1104 -> 1070;

@@ -80,7 +80,8 @@ class Forward {
 
  private:
   // y = x W^T for each (W, y): matrices that read the same x share one parallel region
-  void mm(const float* x, int n, std::initializer_list<std::pair<const QMatrix*, float*>> outs);
+  void mm(const float* x, int n,
+          std::initializer_list<std::pair<const QMatrix*, float*>> outs);
   void gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out);
   void attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
                   KVTape& tape, float* out);
