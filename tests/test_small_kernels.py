@@ -38,7 +38,7 @@ def test_rms_norm(rng, n, d):
 
 
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("n", [1, 8, 13, 864])
+@pytest.mark.parametrize("n", [1, 8, 13, 29, 864])  # 29: 16 lanes, then 8, then scalar
 def test_silu_mul(rng, n, gated):
     x = (rng.standard_normal(n) * 4).astype(np.float32)
     u = rng.standard_normal(n).astype(np.float32) if gated else None
@@ -72,3 +72,19 @@ def test_small_kernels_check_their_input():
         _core.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-6)
     with pytest.raises(ValueError, match="u"):
         _core.silu_mul(np.ones(4, np.float32), np.ones(5, np.float32))
+
+
+def test_silu_mul_clamps_agree_on_every_isa():
+    """exp's clamps (0 below -87.3, clamped above 88.3), huge values and signed zeros, in
+    positions that every lane width (16, 8, scalar) sees (non-finite inputs are refused)."""
+    v = np.array([-1e4, -88.0, -87.3, -87.29, 0.0, -0.0, 87.0, 88.3, 88.4, 1e4, 3e38, -3e38,
+                  1e-30, -1e-30, 3.5, -3.5], np.float32)
+    x = np.concatenate([v, v[::-1], v[:5]])
+    outs = []
+    for name in ISAS:
+        with isa(name):
+            outs.append(_core.silu_mul(x, None).view(np.uint32))  # bits, signed zeros included
+    for o in outs[1:]:
+        assert (o == outs[0]).all()
+    got = outs[0].view(np.float32)
+    assert (got[x > 20] == x[x > 20]).all()  # 1 + exp(-x) rounds to 1
