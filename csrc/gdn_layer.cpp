@@ -11,6 +11,16 @@ namespace sapwood {
 
 namespace {
 void check_finite(const float* x, size_t n, const char* what) {
+  // An OR of "all exponent bits set" (inf or NaN) over the words, which vectorises; the
+  // element is looked up only on failure (the per-element check was 1.4% of a 9-node verify;
+  // 992 -> 980 us measured, within the noise).
+  uint32_t bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, sizeof b);
+    bad |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!bad) return;
   for (size_t i = 0; i < n; ++i)
     SW_CHECK(std::isfinite(x[i]), what, " has a non-finite value ", x[i], " at flat index ", i);
 }
