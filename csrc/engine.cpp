@@ -20,7 +20,6 @@ Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv,
            "attention needs heads divisible by KV heads and head_dim a multiple of 32");
   SW_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "bad rotary_dim ", d.rotary_dim);
   weights_ = load_weights(d, t, wfmt);
-  macs_per_token_ = weights_.macs_per_token();
   const int pages = (max_context + page_size - 1) / page_size;
   pool_ = std::make_shared<KVPagePool>(pages, page_size, std::max(1, d.n_attn()),
                                        std::max(1, d.n_kv_heads), std::max(32, d.head_dim), kv);

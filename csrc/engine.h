@@ -68,13 +68,13 @@ class Engine {
   std::vector<float> prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P);
   // Threads for a forward of `rows` tokens: one while its whole work is below kForwardRegions
   // regions of min_parallel_work(). A forward is ~10 regions a layer and a small one is all
-  // hand-offs: the bundled draft (1.5M multiply-adds a token) drafted chains 13% faster on
+  // hand-offs: the bundled draft (1.58M multiply-adds a token) drafted chains 13% faster on
   // one thread (chain decode 2205 vs 1948 tok/s, geomean of 6 cohort prompts, 3 ABBA passes,
-  // 2-core Xeon), while the bundled target's one-token verify (11M) took 383 us on two
+  // 2-core Xeon), while the bundled target's one-token verify (11.3M) took 383 us on two
   // threads against 512 on one.
   static constexpr long long kForwardRegions = 128;
   int forward_threads(int rows) const {
-    return threads_for((long long)rows * macs_per_token_ / kForwardRegions, threads_);
+    return threads_for((long long)rows * weights_.macs_per_token() / kForwardRegions, threads_);
   }
   std::vector<GDNLayer::Committed> committed_gdn() const;
   void restore_gdn(std::vector<GDNLayer::Committed> c);
@@ -83,7 +83,6 @@ class Engine {
   ModelDims dims_;
   ModelWeights weights_;
   int max_context_, threads_;
-  long long macs_per_token_ = 0;
   std::shared_ptr<KVPagePool> pool_;
   std::unique_ptr<KVSequence> seq_;
   std::vector<GDNLayer> gdn_;

@@ -14,8 +14,7 @@ int ModelDims::n_attn() const { return int(std::count(is_attn.begin(), is_attn.e
 size_t ModelWeights::bytes() const {
   size_t b = embed.bytes() + lm_head.bytes() + final_norm.size() * 4;
   for (const auto& l : layers) {
-    for (const QMatrix* m : {&l.gate, &l.up, &l.down, &l.qkv, &l.z, &l.out, &l.ba, &l.q, &l.k, &l.v, &l.o})
-      b += m->bytes();
+    for (const QMatrix* m : l.matrices()) b += m->bytes();
     b += 4 * (l.in_norm.size() + l.post_norm.size() + l.conv_w.size() + l.dt_bias.size() +
               l.neg_exp_a.size() + l.gnorm.size() + l.q_norm.size() + l.k_norm.size());
   }
@@ -23,10 +22,9 @@ size_t ModelWeights::bytes() const {
 }
 
 long long ModelWeights::macs_per_token() const {
-  long long m = (long long)lm_head.rows * lm_head.cols;
+  long long m = (long long)head().rows * head().cols;
   for (const auto& l : layers)
-    for (const QMatrix* w : {&l.gate, &l.up, &l.down, &l.qkv, &l.z, &l.out, &l.ba, &l.q, &l.k, &l.v, &l.o})
-      m += (long long)w->rows * w->cols;
+    for (const QMatrix* w : l.matrices()) m += (long long)w->rows * w->cols;
   return m;
 }
 
@@ -137,6 +135,8 @@ void Forward::mm(const float* x, int n,
   // gate|up, q|k|v): one hand-off and one tail instead of one per matrix. Bundled target,
   // medians of 4 alternated processes: one-token verify 390 -> 360 us, 9 nodes 1104 -> 1070;
   // realistic 0.66B decode step 26.2 -> 25.4 ms.
+  SW_CHECK(outs.size() >= 1 && outs.size() <= size_t(kMaxMatmuls), "1 to ", kMaxMatmuls,
+           " matrices a region, got ", outs.size());
   const QMatrix& w = *outs.begin()->first;
   if (w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4) acts_.quantize(x, n, w.cols, w.cols_pad);
   MatmulProblem pbs[kMaxMatmuls];
@@ -246,7 +246,7 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
   const int m = n - logit_from;
   kernels().rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
   std::vector<float> logits(size_t(m) * d_.vocab);
-  mm(h.data(), m, {{d_.tied ? &w_.embed : &w_.lm_head, logits.data()}});
+  mm(h.data(), m, {{&w_.head(), logits.data()}});
   return logits;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <map>
 #include <string>
+#include <array>
 #include <initializer_list>
 #include <utility>
 #include <vector>
@@ -44,6 +45,10 @@ struct LayerWeights {
   // attention
   QMatrix q, k, v, o;
   std::vector<float> q_norm, k_norm;       // (1 + w)
+  // every matrix (the mixer a layer does not have is empty)
+  std::array<const QMatrix*, 11> matrices() const {
+    return {&gate, &up, &down, &qkv, &z, &out, &ba, &q, &k, &v, &o};
+  }
 };
 
 struct ModelWeights {
@@ -52,6 +57,7 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
   size_t bytes() const;
   long long macs_per_token() const;  // a token's matmul multiply-adds, LM head included
+  const QMatrix& head() const { return lm_head.rows ? lm_head : embed; }  // the LM head
 };
 
 ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat fmt);

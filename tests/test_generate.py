@@ -338,8 +338,6 @@ def test_first_wide_round_calibrates_the_cost_model(models, monkeypatch):
     """A fresh width rule times the full tree and the root alone before choosing; the full
     tree's logits then serve the chosen prefix, so the output is still plain decoding's.
     (Speculation with lookup on a random model loses to plain rounds; kept on here.)"""
-    from sapwood.policy import PlainFallback
-
     monkeypatch.setattr(PlainFallback, "skip_draft", lambda self, behind=0: False)
     target, root = models
     p = prompt(20, seed=11)
@@ -424,8 +422,6 @@ def _judged(tokens, seconds=0.002, plain_s=0.0005):
     """A PlainFallback after a request's speculative rounds committing `tokens` (one each) in
     `seconds`, with the plain rounds it asks for on the way (the first after speculation pays
     the path's pending steps: 4x slow, and not a plain timing)."""
-    from sapwood.policy import PlainFallback
-
     pf = PlainFallback()
     pf.begin_request(cap=9)
     todo, after_spec = list(tokens), False
@@ -440,8 +436,6 @@ def _judged(tokens, seconds=0.002, plain_s=0.0005):
 
 
 def test_plain_fallback_times_speculation_then_steady_plain_rounds():
-    from sapwood.policy import PlainFallback
-
     pf = PlainFallback()
     pf.begin_request()
     toks = [1, 5] * 4   # 3 tokens a round in 5 ms: 600 tokens/s, against 1000 plain
@@ -526,8 +520,6 @@ def test_width_rule_builds_trees_only_while_they_pay():
 def test_width_rule_scales_each_shape_by_what_it_realized():
     """E multiplies per-node chances as if independent; choose_tree scales each candidate by
     what rounds of its shape (chain or tree) committed against their prediction."""
-    from sapwood.drafters import Lattice
-
     rule = WidthRule(explore_every=0)
     rule.cost.observe(1, 100, 0.001)
     rule.cost.observe(16, 100, 0.0025)
@@ -535,10 +527,10 @@ def test_width_rule_scales_each_shape_by_what_it_realized():
                   logprobs=[np.log([0.5, 0.3, 0.2])] * 8)
     cands = lambda: [grow(0, lat, 16, chance=rule.acceptance.chance), chain(0, lat, 8)]
     assert not rule.choose_tree(cands(), 100).is_chain  # E alone prefers branching here
-    rule.observe_outcome(2)                             # ... which then commits little
+    rule.observe_round(False, 2, 0.003)                 # ... which then commits little
     for _ in range(30):
-        rule._chosen = (True, 3.0)                      # chains predicted 3, committed 9
-        rule.observe_outcome(9)
+        rule._predicted = 3.0                           # chains predicted 3, committed 9
+        rule.observe_round(True, 9, 0.002)
     assert rule.realized(True) > 2.5 and rule.realized(False) < 1.0
     assert rule.choose_tree(cands(), 100).is_chain
 
@@ -547,8 +539,6 @@ def test_drafter_catches_up_in_order_after_plain_rounds(models, monkeypatch):
     """Plain rounds first, then speculation: the draft model must prefill the skipped tokens,
     in order. With the target as its
     own draft, a correct catch-up makes every drafted row accepted."""
-    from sapwood.policy import PlainFallback
-
     target, root = models
     p = prompt(15, seed=31)
     off = target.generate(p, max_tokens=40, verify="off").tokens

@@ -247,19 +247,18 @@ class Decoder:
                 st.widths.append(width)
                 ctx = eng.position - len(path)  # the round's context
                 round_s = time.perf_counter() - t_round
-                if mode != "off" and not first_round:
-                    if cfg.verify == "auto":  # the fallback judges auto's own rounds only
-                        self.plain.observe(mode == "plain", len(path), round_s, *self._caught_up)
-                    if mode != "plain":
-                        self.rule.observe_round(tree.is_chain, len(path),
-                                                round_s - self._caught_up[1])
+                if cfg.verify == "auto" and mode != "off" and not first_round:
+                    # the fallback judges auto's own rounds only
+                    self.plain.observe(mode == "plain", len(path), round_s, *self._caught_up)
+                catch_up_s = self._caught_up[1]
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, ctx, self.verify_s)
                 if mode not in ("off", "plain"):
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
-                    self.rule.observe_outcome(len(path))
+                    self.rule.observe_round(tree.is_chain, len(path),
+                                            None if first_round else round_s - catch_up_s)
                     # the first round after prefill pays warm-up costs; a calibration round
                     # has fed its own verify timings
                     if not first_round and not calibration:

@@ -206,10 +206,9 @@ class PlainFallback:
     20% ran plain. The parameters come from replaying recorded chain rounds
     (bench/replay_fallback.py; bench/results/fallback_replay.txt): cohort vs chain x1.017-1.023
     over two recordings, worst prompt x0.92-0.98; without the early bound the width study's
-    depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The
-    plain rate, the median of recent plain rounds,
-    is kept across requests per context band in the WidthRule: it does not depend on the
-    prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
+    depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The plain rate, the median of
+    recent plain rounds, is kept across requests per context band in the WidthRule: it does
+    not depend on the prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
     before it next drafts), and a speculative round probes again when due: probes cost a
     speculative round's excess over plain rounds plus the catch-up (tokens behind x the
     drafter's measured time per token), and are spaced to cost at most `budget` of the time,
@@ -235,11 +234,11 @@ class PlainFallback:
         self.since_probe, self._probing, self._after_plain = 0, False, False
 
     def spec_rate_bound(self, z: float) -> float:
-        """Tokens/s of this request's speculative rounds at `z` standard errors above their
-        mean tokens a round."""
+        """Tokens/s of this request's speculative rounds (two or more) at `z` standard errors
+        above their mean tokens a round."""
         n = len(self._tokens)  # plain arithmetic: statistics.stdev took 12 us a round
         mean = sum(self._tokens) / n
-        sd = (sum((t - mean) ** 2 for t in self._tokens) / (n - 1)) ** 0.5 if n > 1 else mean
+        sd = (sum((t - mean) ** 2 for t in self._tokens) / (n - 1)) ** 0.5
         return (mean + z * sd / n ** 0.5) / (sum(self._secs) / n)
 
     def hopeless(self) -> bool:
@@ -328,12 +327,13 @@ class WidthRule:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     fallbacks: dict = field(default_factory=dict)  # context band -> PlainFallback
     tree_explore_every: int = 16  # trees_pay()
-    outcome_decay: float = 0.9  # realized(): about the last 10 rounds of each shape
-    # is_chain -> decayed sums (predicted E, committed tokens), seeded as 10 tokens each
+    round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
+    # is_chain -> decayed sums over rounds of that shape: (predicted E, committed tokens) of
+    # rounds choose_tree chose, seeded as 10 tokens each; (committed tokens, seconds) of all
     _outcomes: dict = field(default_factory=lambda: {True: (10.0, 10.0), False: (10.0, 10.0)})
-    _chosen: tuple | None = None
-    _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})  # decayed
-    _since_wide: int = 0                              # (tokens, seconds) of rounds by shape
+    _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})
+    _predicted: float | None = None  # E of the tree choose_tree returned last
+    _since_wide: int = 0
 
     def plain_fallback(self, ctx: int, cap: int = 9) -> PlainFallback:
         """The PlainFallback of ctx's band, ready for a new request (rounds of at most `cap`
@@ -371,14 +371,16 @@ class WidthRule:
         shape realized against their prediction. E multiplies per-node chances as if
         independent, but drafts are right in stretches: on the bundled pair a chain predicted
         4-7 tokens committed all 9 in most rounds while wide trees committed about what they
-        predicted, so unscaled E chose trees costing 0.1-0.6 ms more a round for nothing (auto
-        10% behind the chain at equal tokens per round)."""
+        predicted, so unscaled E chose trees costing 0.1-0.6 ms more a round for nothing.
+        Scaled, auto against the chain on the cohort went from x0.944 to x0.972 decode tokens/s
+        (geometric mean, one 3-block A/B each)."""
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
-        rates = [self.rate(t, ctx, costs) * self.realized(t.is_chain) for t in candidates]
+        es = [self.acceptance.expected_tokens(t) for t in candidates]
+        rates = [e / costs[:t.width] * self.realized(t.is_chain) for e, t in zip(es, candidates)]
         k = int(np.argmax([r.max() for r in rates]))
-        tree = candidates[k].prefix(self._pick(rates[k]))
-        self._chosen = (tree.is_chain, float(self.acceptance.expected_tokens(tree)[-1]))
-        return tree
+        w = self._pick(rates[k])
+        self._predicted = float(es[k][w - 1])
+        return candidates[k].prefix(w)
 
     def trees_pay(self) -> bool:
         """May an auto round that the admission EMA lets go wide build a tree? Not while
@@ -398,17 +400,15 @@ class WidthRule:
             return True
         return False
 
-    def observe_round(self, chain: bool, tokens: int, seconds: float) -> None:
-        """A speculative round verifying a chain (or a tree) committed `tokens` in `seconds`
-        (drafting, growth, verify, walk and commit; catch-ups excluded)."""
-        t, s = self._rates[chain]
-        self._rates[chain] = (self.outcome_decay * t + tokens, self.outcome_decay * s + seconds)
-
-    def observe_outcome(self, tokens: int) -> None:
-        """The tree choose_tree returned last committed `tokens` (its path, root included)."""
-        if self._chosen is None:
-            return
-        chain, e = self._chosen
-        self._chosen = None
-        pred, real = self._outcomes[chain]
-        self._outcomes[chain] = (self.outcome_decay * pred + e, self.outcome_decay * real + tokens)
+    def observe_round(self, chain: bool, tokens: int, seconds: float | None) -> None:
+        """A speculative round verifying a chain (or a tree) committed `tokens` (its path,
+        root included) in `seconds` (drafting, growth, verify, walk and commit; catch-ups
+        excluded; None where the time is not the round's own, as the first after prefill)."""
+        d = self.round_decay
+        if self._predicted is not None:  # the round choose_tree chose: its E against the tokens
+            pred, real = self._outcomes[chain]
+            self._outcomes[chain] = (d * pred + self._predicted, d * real + tokens)
+            self._predicted = None
+        if seconds is not None:
+            t, s = self._rates[chain]
+            self._rates[chain] = (d * t + tokens, d * s + seconds)
