@@ -8,6 +8,8 @@
 #include <memory>
 #include <vector>
 
+#include "huge_pages.h"
+
 namespace sapwood {
 
 enum class KVDtype { Int8, F32 };
@@ -57,7 +59,7 @@ class KVPagePool {
   KVDtype dtype_;
   size_t part_bytes_[4];   // bytes of one [slot][..] block for k, v, k_scale, v_scale
   size_t head_bytes_, page_bytes_;
-  std::vector<uint8_t> data_;
+  BigVector<uint8_t> data_;
   std::vector<int> free_;
 };
 

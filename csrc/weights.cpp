@@ -32,7 +32,7 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
   if (f == WFormat::F32 || f == WFormat::BF16) {
     const int rb = round_up(r, kOutBlock);
-    std::vector<float> packed(size_t(rb) * c, 0.0f);
+    BigVector<float> packed(size_t(rb) * c, 0.0f);
     for (int o = 0; o < r; ++o)
       for (int k = 0; k < c; ++k)
         packed[(size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock] = w[size_t(o) * c + k];

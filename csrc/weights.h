@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "huge_pages.h"
+
 namespace sapwood {
 
 enum class WFormat { F32, BF16, Q8, Q4 };
@@ -31,11 +33,11 @@ struct QMatrix {
   WFormat fmt = WFormat::F32;
   int rows = 0, cols = 0;
   int cols_pad = 0;                 // Q8: multiple of 32; Q4: multiple of 64
-  std::vector<float> f32;
-  std::vector<uint16_t> bf16;
-  std::vector<int8_t> q8;
+  BigVector<float> f32;
+  BigVector<uint16_t> bf16;
+  BigVector<int8_t> q8;
   std::vector<int32_t> q8_sum;      // Q8: each row's sum of int8 weights (unsigned-x dot kernels)
-  std::vector<uint8_t> q4;
+  BigVector<uint8_t> q4;
   std::vector<float> scale;
 
   void quantize(const float* w, int rows, int cols, WFormat fmt);

@@ -44,19 +44,21 @@ def test_dequantized_weights_are_close(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_batch_invariant_bitwise(fmt):
+@pytest.mark.parametrize("outputs", [600, 1100])
+def test_batch_invariant_bitwise(fmt, outputs):
     rng = np.random.default_rng(2)
-    # 600 outputs: several jobs of one-row matmuls (256 outputs) and of batches (64), partial
+    # several jobs of one-row matmuls (256 outputs, the last threads x 256 cut in 64s: 600
+    # has one long job, partial, 1100 three, the last partial) and of batches (64), partial
     # last ones, a partial Q8 group
-    w = rng.standard_normal((600, 200)).astype(np.float32)
+    w = rng.standard_normal((outputs, 200)).astype(np.float32)
     x = rng.standard_normal((16, 200)).astype(np.float32)
     m = _core.WeightMatrix(w, fmt)
     full = m.matmul(x)
     for n in [1, 3, 5, 16]:
         for start in range(0, 16, n):
-            part = m.matmul(x[start:start + n])
-            assert (part == full[start:start + n]).all()
-    assert (m.matmul(x, threads=1) == m.matmul(x, threads=2)).all()
+            for threads in (1, 2):
+                part = m.matmul(x[start:start + n], threads=threads)
+                assert (part == full[start:start + n]).all()
 
 
 def matmul_on_every_isa(m, x):
