@@ -67,8 +67,10 @@ def replay_prompt(rec, mode, pf, a):
             cu = (a.catch_up[0] + a.catch_up[1] * behind) * 1e-3 if behind else 0.0
             dt = spec_s + cu + (a.overhead * 1e-3 if mode == "auto" else 0.0)
             caught, behind = (behind, cu), 0
+            if mode == "auto" and caught[0]:
+                pf.observe_catch_up(*caught)
         if mode == "auto" and not first:  # the first round after prefill is not observed
-            pf.observe(plain, tok, dt, *caught)
+            pf.observe(plain, tok, dt, caught[1])
         first, after_spec = False, not plain
         pos, t = pos + tok, t + dt
     return pos / t

@@ -558,6 +558,25 @@ def test_drafter_catches_up_in_order_after_plain_rounds(models, monkeypatch):
     assert drafted and all(k == w for w, k in drafted if w <= 9), drafted  # every node accepted
 
 
+def test_draft_model_takes_in_the_prompt_after_the_first_token(models, monkeypatch):
+    """The first token comes from the target's prefill alone: the draft model prefills the
+    prompt when it first drafts, and a request that never drafts never prefills it."""
+    target, root = models
+    p = prompt(20, seed=33)
+    off = target.generate(p, max_tokens=12, verify="off").tokens
+    gen = target.generate(p, max_tokens=12, drafter=str(root / "draft"), verify="chain",
+                          stream=True)
+    first = next(gen)
+    draft = target._draft_models[str((root / "draft").resolve())].engine
+    assert draft.position == 0
+    rest = list(gen)
+    assert [first] + rest == off and draft.position >= len(p)
+
+    monkeypatch.setattr(PlainFallback, "skip_draft", lambda self, behind=0: True)
+    r = target.generate(p, max_tokens=12, drafter=str(root / "draft"), verify="auto")
+    assert r.tokens == off and draft.position == 0 and r.stats.wide_cycles == 0
+
+
 def test_fallback_replay_keeps_good_prompts_speculative_and_bad_ones_plain():
     """bench/replay_fallback.py on two recorded prompts: one the draft follows (every chain
     round commits 9 tokens in 2 ms), one it does not (1 token); plain decoding 2000 tokens/s."""

@@ -286,10 +286,9 @@ class PlainFallback:
             old = self.catch_up_per_token
             self.catch_up_per_token = per if old is None else old + 0.3 * (per - old)
 
-    def observe(self, plain: bool, tokens: int, seconds: float, caught_up: int = 0,
-                catch_up_s: float = 0.0) -> None:
+    def observe(self, plain: bool, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
         """A round that committed `tokens` took `seconds`, of which `catch_up_s` caught the
-        drafter up on `caught_up` tokens."""
+        drafter up (observe_catch_up has its rate)."""
         after_plain, self._after_plain = self._after_plain, plain
         if plain:
             # A plain round right after a speculative one also runs the GDN steps of the path
@@ -302,7 +301,6 @@ class PlainFallback:
                 del self._plain_times[:-16]
                 self.plain_s = statistics.median(self._plain_times)
             return
-        self.observe_catch_up(caught_up, catch_up_s)
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
