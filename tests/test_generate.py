@@ -505,16 +505,34 @@ def test_width_rule_builds_trees_only_while_they_pay():
     rule = WidthRule(tree_explore_every=4)
     # nothing measured: chains first, trees explored one eligible round in 4
     assert [rule.trees_pay() for _ in range(4)] == [False, False, False, True]
-    rule.observe_round(True, 9, 0.002)             # chains: 4500 tokens/s
-    rule.observe_round(False, 5, 0.003)            # trees: 1667 tokens/s
-    assert [rule.trees_pay() for _ in range(8)] == [False, False, False, True] * 2  # exploring
+    rule.observe_round(True, 9, 0.002, grown=False)   # chain alone: 4500 tokens/s
+    rule.observe_round(False, 5, 0.003, grown=True)   # grew a tree: 1667 tokens/s
+    # exploring, each time twice as far apart while trees keep losing
+    assert [rule.trees_pay() for _ in range(24)] == [False] * 7 + [True] + [False] * 15 + [True]
     for _ in range(40):
-        rule.observe_round(False, 9, 0.0015)       # trees now win: 6000 tokens/s
+        rule.observe_round(False, 9, 0.0015, grown=True)  # trees now win: 6000 tokens/s
     assert all(rule.trees_pay() for _ in range(8))
+    for _ in range(40):
+        rule.observe_round(True, 9, 0.001, grown=False)  # chains win again: 9000 tokens/s
+    assert [rule.trees_pay() for _ in range(4)] == [False, False, False, True]  # gap starts over
     never = WidthRule(tree_explore_every=0)
-    never.observe_round(True, 9, 0.002)
-    never.observe_round(False, 1, 0.003)
+    never.observe_round(True, 9, 0.002, grown=False)
+    never.observe_round(False, 1, 0.003, grown=True)
     assert not any(never.trees_pay() for _ in range(20))
+
+
+def test_growing_a_tree_that_ends_a_chain_counts_against_growing():
+    """Rounds that grew a tree and then chose the chain pay for the growth: they count as
+    grown, so growing stops when it buys nothing; rounds the EMA kept a chain do not count."""
+    rule = WidthRule(tree_explore_every=0)
+    for _ in range(10):
+        rule.observe_round(True, 9, 0.0020, grown=False)  # drafted the chain alone: 4500/s
+        rule.observe_round(False, 9, 0.0021, grown=True)  # grew, chose a tree: 4286/s
+        for _ in range(3):
+            rule.observe_round(True, 9, 0.0026, grown=True)  # grew, chose the chain: 3462/s
+        rule.observe_round(True, 9, 0.0010)                # EMA kept it a chain: not counted
+    # by the shape verified, trees (4286/s) beat chains (~3700/s); growing does not pay
+    assert not rule.trees_pay()
 
 
 def test_width_rule_scales_each_shape_by_what_it_realized():

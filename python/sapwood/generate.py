@@ -107,6 +107,7 @@ class Decoder:
         self._behind = 0              # how many tokens that is
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self.verify_s = 0.0           # this round's verify time(s)
+        self._eligible = False        # this round: auto, and the admission EMA let it go wide
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
@@ -135,7 +136,8 @@ class Decoder:
         if mode == "auto":
             if self.plain.skip_draft(self._behind):
                 return "plain"
-            return "wide" if self.ema.wide() and self.rule.trees_pay() else "chain"
+            self._eligible = self.ema.wide()
+            return "wide" if self._eligible and self.rule.trees_pay() else "chain"
         return mode
 
     def _build(self, root: int, mode: str, room: int):
@@ -214,6 +216,7 @@ class Decoder:
                     self.finish_reason = "context"
                     return
                 t_round = time.perf_counter()
+                self._eligible = False  # set by _mode: an auto round the EMA let go wide
                 mode = self._mode()
                 if mode in ("off", "plain"):  # the root alone: no tree, no walk
                     tree, wide, calibration = None, False, False
@@ -259,7 +262,8 @@ class Decoder:
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
                     self.rule.observe_round(tree.is_chain, len(path),
-                                            None if first_round else round_s - catch_up_s)
+                                            None if first_round else round_s - catch_up_s,
+                                            (mode == "wide") if self._eligible else None)
                     # the first round after prefill pays warm-up costs; a calibration round
                     # has fed its own verify timings
                     if not first_round and not calibration:

@@ -9,9 +9,9 @@ Admission EMA (DESIGN.md): `avg` starts at R; after each cycle avg += alpha * (r
 with `retained` the draft rows the committed path kept; the next cycle goes wide only while
 avg < threshold. High chain acceptance means the chain already captures the draft's value.
 
-Trees at all (WidthRule.trees_pay, an addition): a round the EMA lets go wide builds a tree
-only while tree rounds commit more tokens per second than chain rounds (one in
-tree_explore_every explores).
+Trees at all (WidthRule.trees_pay, an addition): a round the EMA lets go wide grows a tree
+only while such rounds that grew one commit more tokens per second than those that drafted
+the chain alone (one in tree_explore_every explores).
 
 Width rule: choose w in [1, the request's largest width] maximising expected committed tokens per second,
     E(w) / t(w, ctx),   E(w) = 1 + sum_{i=1}^{w-1} prod_{n on path(i)} a(rank_n, q_n)
@@ -329,9 +329,11 @@ class WidthRule:
     # is_chain -> decayed sums over rounds of that shape: (predicted E, committed tokens) of
     # rounds choose_tree chose, seeded as 10 tokens each; (committed tokens, seconds) of all
     _outcomes: dict = field(default_factory=lambda: {True: (10.0, 10.0), False: (10.0, 10.0)})
+    # grown -> decayed (committed tokens, seconds) of the rounds the EMA let go wide
     _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})
     _predicted: float | None = None  # E of the tree choose_tree returned last
     _since_wide: int = 0
+    _tree_gap: int = 0  # eligible rounds from one tree exploration to the next (0: not yet)
 
     def plain_fallback(self, ctx: int, cap: int = 9) -> PlainFallback:
         """The PlainFallback of ctx's band, ready for a new request (rounds of at most `cap`
@@ -381,32 +383,44 @@ class WidthRule:
         return candidates[k].prefix(w)
 
     def trees_pay(self) -> bool:
-        """May an auto round that the admission EMA lets go wide build a tree? Not while
-        rounds that verified trees commit fewer tokens per second than chain rounds: then the
-        chain is drafted and verified as in chain mode, without growing and pricing a tree
-        (~0.15-0.25 ms of Python a round, 7-10% of a round on the bundled pair, where auto ran
-        8-10% behind the chain on prompts where both took the same paths), except one round
-        in `tree_explore_every` that keeps the trees' rate current. Until trees are measured,
-        chains (as the admission EMA starts): exploring trees at once cost a fresh process's
-        first 64-token request at depth 1 two tree rounds, ~4% of its time."""
-        (ct, cs), (tt, ts) = self._rates[True], self._rates[False]
-        if ts > 0.0 and cs > 0.0 and tt / ts >= ct / cs:
+        """May an auto round that the admission EMA lets go wide grow a tree? Not while such
+        rounds that grew one commit fewer tokens per second than those that drafted the chain
+        alone: then the chain is drafted and verified as in chain mode, without growing and
+        pricing a tree (~0.15-0.25 ms of Python a round, 7-10% of a round on the bundled
+        pair), except one round in `tree_explore_every` that keeps the grown rounds' rate
+        current. Grown rounds count whatever shape the rule then chose: keyed by the chosen
+        shape, rounds that grew a tree and chose the chain were charged to chains, trees
+        stayed on, and auto ran 4-5% behind the chain on prompts where both verified the same
+        chains (non-english, code-class; 12 alternated requests each). Until grown rounds are
+        measured, chains (as the admission EMA starts): exploring trees at once cost a fresh
+        process's first 64-token request at depth 1 two tree rounds, ~4% of its time."""
+        (gt, gs), (ct, cs) = self._rates[True], self._rates[False]
+        if gs > 0.0 and cs > 0.0 and gt / gs >= ct / cs:
+            self._tree_gap = self.tree_explore_every
             return True
         self._since_wide += 1
-        if self.tree_explore_every and self._since_wide >= self.tree_explore_every:
+        gap = self._tree_gap or self.tree_explore_every
+        if self.tree_explore_every and self._since_wide >= gap:
+            # each exploration that finds trees still losing doubles the gap to the next (up
+            # to 8x): explorations cost 1-2 rounds of each 128-token request (~1.5%) on
+            # prompts where the chain is best
             self._since_wide = 0
+            self._tree_gap = min(2 * gap, 8 * self.tree_explore_every)
             return True
         return False
 
-    def observe_round(self, chain: bool, tokens: int, seconds: float | None) -> None:
+    def observe_round(self, chain: bool, tokens: int, seconds: float | None,
+                      grown: bool | None = None) -> None:
         """A speculative round verifying a chain (or a tree) committed `tokens` (its path,
         root included) in `seconds` (drafting, growth, verify, walk and commit; catch-ups
-        excluded; None where the time is not the round's own, as the first after prefill)."""
+        excluded; None where the time is not the round's own, as the first after prefill).
+        grown: for an auto round the admission EMA let go wide, whether it grew a tree (None
+        for other rounds)."""
         d = self.round_decay
         if self._predicted is not None:  # the round choose_tree chose: its E against the tokens
             pred, real = self._outcomes[chain]
             self._outcomes[chain] = (d * pred + self._predicted, d * real + tokens)
             self._predicted = None
-        if seconds is not None:
-            t, s = self._rates[chain]
-            self._rates[chain] = (d * t + tokens, d * s + seconds)
+        if seconds is not None and grown is not None:
+            t, s = self._rates[grown]
+            self._rates[grown] = (d * t + tokens, d * s + seconds)
