@@ -587,12 +587,20 @@ def test_draft_model_takes_in_the_prompt_after_the_first_token(models, monkeypat
     first = next(gen)
     draft = target._draft_models[str((root / "draft").resolve())].engine
     assert draft.position == 0
-    rest = list(gen)
+    rest = []
+    while True:
+        try:
+            rest.append(next(gen))
+        except StopIteration as stop:
+            st = stop.value.stats
+            break
     assert [first] + rest == off and draft.position >= len(p)
+    assert st.draft_prefill_s > 0 and st.decode_s > 0  # timed apart: decode_s excludes it
+    assert st.tokens_per_s == pytest.approx(st.tokens / (st.prefill_s + st.draft_prefill_s + st.decode_s))
 
     monkeypatch.setattr(PlainFallback, "skip_draft", lambda self, behind=0: True)
     r = target.generate(p, max_tokens=12, drafter=str(root / "draft"), verify="auto")
-    assert r.tokens == off and draft.position == 0 and r.stats.wide_cycles == 0
+    assert r.tokens == off and draft.position == 0 and r.stats.draft_prefill_s == 0
 
 
 def test_fallback_replay_keeps_good_prompts_speculative_and_bad_ones_plain():

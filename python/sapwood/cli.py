@@ -66,7 +66,8 @@ def cmd_generate(a) -> int:
     out.write(r.text[len(shown):] if r.text.startswith(shown) else "")
     s = r.stats
     print(f"\n\n[{r.finish_reason}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s "
-          f"(decode {s.decode_tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms), "
+          f"(decode {s.decode_tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms, "
+          f"draft prefill {s.draft_prefill_s * 1e3:.0f} ms), "
           f"{s.tokens_per_cycle:.2f} tokens/cycle, {s.cycles} cycles ({s.wide_cycles} wide)",
           file=sys.stderr)
     return 0

@@ -31,8 +31,9 @@ class GenerationStats:
     wide_cycles: int = 0
     nodes_verified: int = 0
     draft_rows_accepted: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prefill_s: float = 0.0        # the target's prompt and the first pick: time to first token
+    draft_prefill_s: float = 0.0  # a draft model taking in the prompt (in its first round)
+    decode_s: float = 0.0         # after the first token, less draft_prefill_s
     widths: list = field(default_factory=list)
 
     @property
@@ -41,8 +42,8 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Whole request: prefill included."""
-        t = self.prefill_s + self.decode_s
+        """Whole request: prefills included."""
+        t = self.prefill_s + self.draft_prefill_s + self.decode_s
         return self.tokens / t if t > 0 else 0.0
 
     @property
@@ -106,6 +107,7 @@ class Decoder:
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self._behind = 0              # how many tokens that is
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
+        self._prompt_pending = False  # is the drafter yet to take in the prompt?
         self.verify_s = 0.0           # this round's verify time(s)
         self._eligible = False        # this round: auto, and the admission EMA let it go wide
         self.stats = GenerationStats()
@@ -195,6 +197,7 @@ class Decoder:
             # token does not wait for it (chain and auto requests' time to first token was 28%
             # longer than plain decoding's), and a request that never drafts never pays it.
             self._behind = len(self.context)
+        self._prompt_pending = self._behind > 0  # the first catch-up is the draft's prefill
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()
@@ -275,7 +278,7 @@ class Decoder:
                     self.on_round(tree or _root_tree(root), path, time.perf_counter() - t_round)
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
-            st.decode_s = time.perf_counter() - t_start
+            st.decode_s = time.perf_counter() - t_start - st.draft_prefill_s
 
     def _catch_up(self) -> None:
         """Give the drafter what it has not seen (the prompt, the tokens of plain rounds), in
@@ -291,6 +294,8 @@ class Decoder:
             self.drafter.advance(self._unsent)
         self._caught_up = (self._behind, time.perf_counter() - t)
         self.plain.observe_catch_up(*self._caught_up)
+        if self._prompt_pending:
+            self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0
 
     def _walk(self, tree, logits):
