@@ -448,10 +448,9 @@ def test_plain_fallback_times_speculation_then_steady_plain_rounds():
     pf.observe(True, 1, 0.001)
     assert pf.plain_s == 0.001
     # then speculation again: over the first min_rounds the bound is wide (z_early)...
-    for t in toks[2:]:
+    for t in toks[2:]:                  # (at z from the third round it would go plain here)
         assert not pf.skip_draft()
         pf.observe(False, t, 0.005)
-    assert pf.spec_rate_bound(pf.z_early) > 1000 > pf.spec_rate_bound(pf.z)
     assert pf.skip_draft()              # ... then z standard errors: plain
 
 
@@ -465,7 +464,7 @@ def test_plain_fallback_gives_up_at_once_where_even_full_rounds_lose():
     pf = _judged([9, 9])
     assert pf.plain_s == 0.0005 and not pf.prefers_plain()
     pf = _judged([9, 9], seconds=0.02)
-    assert pf.hopeless() and pf.prefers_plain() and pf.skip_draft()
+    assert pf.prefers_plain() and pf.skip_draft()  # two rounds: no bound yet, full rounds lose
 
 
 def test_plain_fallback_goes_plain_only_on_clear_evidence():
