@@ -18,8 +18,21 @@ namespace sapwood {
 constexpr size_t kHugePage = size_t(2) << 20;
 
 // Large arrays start on a huge-page boundary and their whole huge pages are marked for THP
-// (the tail stays on small pages, so no memory is wasted). Small ones: plain malloc.
-void* alloc_huge_capable(size_t bytes);
+// (the tail stays on small pages, so no memory is wasted). Small ones: plain malloc. Both are
+// released with free().
+inline void* alloc_huge_capable(size_t bytes) {
+  void* p = nullptr;
+  if (bytes >= kHugePage) {
+    if (posix_memalign(&p, kHugePage, bytes) != 0) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: failure is harmless
+#endif
+    return p;
+  }
+  p = std::malloc(bytes ? bytes : 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
 
 template <class T>
 struct HugePageAllocator {
@@ -37,19 +50,5 @@ struct HugePageAllocator {
 
 template <class T>
 using BigVector = std::vector<T, HugePageAllocator<T>>;
-
-inline void* alloc_huge_capable(size_t bytes) {
-  void* p = nullptr;
-  if (bytes >= kHugePage) {
-    if (posix_memalign(&p, kHugePage, bytes) != 0) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: failure is harmless
-#endif
-    return p;
-  }
-  p = std::malloc(bytes ? bytes : 1);
-  if (!p) throw std::bad_alloc();
-  return p;
-}
 
 }  // namespace sapwood

@@ -331,7 +331,7 @@ class WidthRule:
     tree_explore_every: int = 16  # trees_pay()
     round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
     # is_chain -> decayed sums over rounds of that shape: (predicted E, committed tokens) of
-    # rounds choose_tree chose, seeded as 10 tokens each; (committed tokens, seconds) of all
+    # rounds choose_tree chose, seeded as 10 tokens each
     _outcomes: dict = field(default_factory=lambda: {True: (10.0, 10.0), False: (10.0, 10.0)})
     # grown -> decayed (committed tokens, seconds) of the rounds the EMA let go wide
     _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})
