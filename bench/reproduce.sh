@@ -23,5 +23,5 @@ if [ -n "${LLAMA_CPP:-}" ]; then
   done
 fi
 sapwood bench peers --reps 6 ${GGUF[@]:+--gguf "${GGUF[@]}"} --out $R/peers.json | tee $R/peers.txt
-sapwood bench width --depths 0 2048 8192 32768 --reps 2 --max-tokens 64 --out $R/width.json | tee $R/width.txt
+sapwood bench width --depths 0 2048 8192 32768 --reps 6 --max-tokens 64 --out $R/width.json | tee $R/width.txt
 python bench/realistic.py --weights q8 --contexts 64 4096 --reps 6 --json $R/realistic.json | tee $R/realistic.txt
