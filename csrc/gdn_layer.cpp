@@ -123,8 +123,17 @@ void GDNLayer::push_pending(const float* k, const float* v, const float* g, cons
   ++n_pending_;
 }
 
-void GDNLayer::slide_window(const std::vector<float>& inputs) {
-  window_.assign(inputs.end() - size_t(dims_.conv_k - 1) * dims_.channels(), inputs.end());
+void GDNLayer::slide_window(const std::vector<const float*>& rows) {
+  // the last K-1 rows of [window rows..., rows...], copied once (commits and the draft's
+  // keep_draft run this every round; it used to build the whole sequence first)
+  const int C = dims_.channels(), W = dims_.conv_k - 1, m = int(rows.size());
+  std::vector<float> next(size_t(W) * C);
+  for (int w = 0; w < W; ++w) {
+    const int src = m - W + w;  // < 0: a row of the old window
+    const float* p = src >= 0 ? rows[src] : window_.data() + size_t(W + src) * C;
+    std::copy(p, p + C, next.begin() + size_t(w) * C);
+  }
+  window_.swap(next);
 }
 
 void GDNLayer::commit(const std::vector<int>& path, int threads) {
@@ -134,11 +143,11 @@ void GDNLayer::commit(const std::vector<int>& path, int threads) {
   const int C = d.channels();
   // verify folded the old pending tokens into S: the path's tokens become the pending ones
   const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
-  std::vector<float> inputs(window_);
+  std::vector<const float*> inputs;
   for (int node : path) {
     push_pending(&k_[kq * node], &v_[vv * node], &g_[size_t(d.hv) * node],
                  &beta_[size_t(d.hv) * node]);
-    inputs.insert(inputs.end(), x_.begin() + size_t(C) * node, x_.begin() + size_t(C) * (node + 1));
+    inputs.push_back(x_.data() + size_t(C) * node);
   }
   slide_window(inputs);
   tape_n_ = 0;
@@ -160,11 +169,11 @@ GDNLayer::Token GDNLayer::last_token() const {
 }
 
 void GDNLayer::append_pending(const Token* const* tokens, int m, int threads) {
-  std::vector<float> inputs(window_);
+  std::vector<const float*> inputs;
   for (int i = 0; i < m; ++i) {
     const Token& t = *tokens[i];
     push_pending(t.k.data(), t.v.data(), t.g.data(), t.beta.data());
-    inputs.insert(inputs.end(), t.x.begin(), t.x.end());
+    inputs.push_back(t.x.data());
   }
   slide_window(inputs);
   tape_n_ = 0;
@@ -187,8 +196,8 @@ void GDNLayer::prefill(const float* x, const float* g, const float* beta, int n,
   run_tree(S_.data(), chain.data(), n, out, /*chain=*/true, n_pending_, threads);
   pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
   n_pending_ = 0;
-  std::vector<float> inputs(window_);
-  inputs.insert(inputs.end(), x, x + size_t(n) * d.channels());
+  std::vector<const float*> inputs(n);
+  for (int i = 0; i < n; ++i) inputs[i] = x + size_t(i) * d.channels();
   slide_window(inputs);
 }
 

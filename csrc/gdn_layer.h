@@ -60,7 +60,8 @@ class GDNLayer {
                 int threads);
   void fold_oldest(int count, int threads);
   void push_pending(const float* k, const float* v, const float* g, const float* beta);
-  void slide_window(const std::vector<float>& inputs);  // window <- last K-1 rows of inputs
+  // window <- the last K-1 rows of the window followed by `rows` (C floats each, in order)
+  void slide_window(const std::vector<const float*>& rows);
 
   GDNDims dims_;
   int max_pending_;
