@@ -111,24 +111,29 @@ void bind_engine(py::module_& m) {
              py::gil_scoped_release release;
              e.commit(p);
            }, py::arg("path"))
-      .def("draft_chain", [](Engine& e, int root, int rows, double temperature, uint64_t seed) {
+      .def("draft_chain", [](Engine& e, int root, int rows, double temperature, uint64_t seed,
+                             py::handle prefix) {
+             const std::vector<int> pre = as_ints(prefix, "prefix");
              std::vector<float> out;
              {
                py::gil_scoped_release release;
-               out = e.draft_chain(root, rows, temperature, seed);
+               out = e.draft_chain(root, rows, temperature, seed, nullptr, pre);
              }
              return to_array(std::move(out), py::ssize_t(rows), e.dims().vocab);
            },
            py::arg("root"), py::arg("rows"), py::arg("temperature") = 0.0, py::arg("seed") = 0,
+           py::arg("prefix") = py::tuple(),
            "Logits [rows, V] along the chain from root (greedy, or keyed samples at temperature "
-           "> 0); committed state unchanged.")
+           "> 0); committed state unchanged, except `prefix` (at most max_draft_prefix context "
+           "tokens), committed first in the chain's first forward.")
       .def("draft_candidates", [](Engine& e, int root, int rows, int k, double temperature,
-                                  uint64_t seed) {
+                                  uint64_t seed, py::handle prefix) {
+             const std::vector<int> pre = as_ints(prefix, "prefix");
              std::vector<int> ids;
              std::vector<double> logp;
              {
                py::gil_scoped_release release;
-               e.draft_candidates(root, rows, k, temperature, seed, &ids, &logp);
+               e.draft_candidates(root, rows, k, temperature, seed, &ids, &logp, pre);
              }
              const py::ssize_t kk = py::ssize_t(ids.size() / size_t(rows));
              py::array_t<int64_t> ids_a({py::ssize_t(rows), kk});
@@ -138,9 +143,11 @@ void bind_engine(py::module_& m) {
              return py::make_tuple(ids_a, logp_a);
            },
            py::arg("root"), py::arg("rows"), py::arg("k"), py::arg("temperature") = 0.0,
-           py::arg("seed") = 0,
+           py::arg("seed") = 0, py::arg("prefix") = py::tuple(),
            "(ids [rows, k], log-probabilities [rows, k]) of the draft chain: per row the chain's "
-           "pick first, then the other most likely ids; committed state unchanged.")
+           "pick first, then the other most likely ids; committed state unchanged but for "
+           "`prefix` (as draft_chain).")
+      .def_property_readonly("max_draft_prefix", &Engine::max_draft_prefix)
       .def("keep_draft", [](Engine& e, const std::vector<int>& tokens) {
              py::gil_scoped_release release;
              return e.keep_draft(tokens);

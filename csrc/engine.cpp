@@ -162,31 +162,50 @@ int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint6
 
 }  // namespace
 
+int Engine::max_draft_prefix() const {
+  return gdn_.empty() || dims_.gdn().conv_k <= 1 ? 64 : dims_.gdn().conv_k - 2;
+}
+
 std::vector<float> Engine::draft_chain(int root, int rows, double temperature, uint64_t seed,
-                                       std::vector<int>* chain) {
+                                       std::vector<int>* chain, const std::vector<int>& prefix) {
+  if (!prefix.empty()) check_tokens(prefix);
   check_tokens({root});
   SW_CHECK(std::isfinite(temperature) && temperature >= 0.0, "draft_chain: temperature must be "
            "finite and >= 0, got ", temperature);
-  const int P = position(), V = dims_.vocab;
-  SW_CHECK(rows >= 1 && P + rows <= max_context_, "draft_chain: ", rows, " rows at position ", P,
+  const int np = int(prefix.size());
+  SW_CHECK(np <= max_draft_prefix(), "draft_chain: a prefix of ", np, " tokens (at most ",
+           max_draft_prefix(), ")");
+  const int P = position(), V = dims_.vocab, R = P + np;  // R: the root's position
+  SW_CHECK(rows >= 1 && R + rows <= max_context_, "draft_chain: ", rows, " rows at position ", R,
            " (max_context ", max_context_, ")");
   begin_change();
-  seq_->reserve(P + rows);
+  seq_->reserve(R + rows);
+  // Pending tokens (keep_draft's rows) are folded for good first: the chain's first forward
+  // would fold them and the roll-back would bring them back, to be folded again by every
+  // chain until a prefill (up to kMaxPending of them: the bundled draft took 250-370 us more
+  // a chain).
+  for (GDNLayer& g : gdn_) g.fold_pending(forward_threads(1));
   // Commit one token per row, then roll back: the GDN layers are restored from a copy, and
-  // the length goes back to P while the pages stay reserved, so positions P.. keep the chain's
+  // the length goes back while the pages stay reserved, so positions R.. keep the chain's
   // K/V. Every row's GDN token is kept too: keep_draft() adopts the rows the target then
-  // commits as pending tokens instead of prefilling them again.
+  // commits as pending tokens instead of prefilling them again. The prefix stays committed:
+  // its GDN tokens follow the restored state as pending ones, as keep_draft's rows do.
   std::vector<GDNLayer::Committed> saved = committed_gdn();
+  std::vector<std::vector<GDNLayer::Token>> prefix_gdn(gdn_.size());  // [layer][prefix row]
   std::vector<float> out(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
-      const std::vector<float> row = prefill_chunks({tok}, false, P + r);
+      std::vector<int> toks = r == 0 ? prefix : std::vector<int>{};
+      toks.push_back(tok);
+      const std::vector<float> row = prefill_chunks(toks, false, r == 0 ? P : R + r);
+      for (size_t l = 0; r == 0 && l < gdn_.size(); ++l)
+        for (int i = 0; i < np; ++i) prefix_gdn[l].push_back(gdn_[l].token(i));
       draft_tokens_.push_back(tok);
       draft_gdn_.emplace_back();
-      for (const GDNLayer& g : gdn_) draft_gdn_.back().push_back(g.last_token());
+      for (const GDNLayer& g : gdn_) draft_gdn_.back().push_back(g.token(int(toks.size()) - 1));
       std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
-      tok = draft_pick(row.data(), V, temperature, seed, uint64_t(P + r + 1), kDraftSampleTop);
+      tok = draft_pick(row.data(), V, temperature, seed, uint64_t(R + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);
     }
   } catch (...) {
@@ -196,7 +215,12 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
     throw;
   }
   restore_gdn(std::move(saved));
-  seq_->set_length(P);
+  for (size_t l = 0; np > 0 && l < gdn_.size(); ++l) {
+    std::vector<const GDNLayer::Token*> rows_l(np);
+    for (int i = 0; i < np; ++i) rows_l[i] = &prefix_gdn[l][i];
+    gdn_[l].append_pending(rows_l.data(), np, threads_);
+  }
+  seq_->set_length(R);
   return out;
 }
 
@@ -223,12 +247,13 @@ void Engine::begin_change() {
 }
 
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
-                              std::vector<int>* ids, std::vector<double>* logp) {
+                              std::vector<int>* ids, std::vector<double>* logp,
+                              const std::vector<int>& prefix) {
   SW_CHECK(k >= 1, "draft_candidates: k must be >= 1, got ", k);
   const int V = dims_.vocab;
   k = std::min(k, V);
   std::vector<int> chain;  // draft_chain checks root and rows
-  const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain);
+  const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, prefix);
   ids->assign(size_t(rows) * k, 0);
   logp->assign(ids->size(), 0.0);
   std::vector<int> best;  // the k-1 best ids other than the chain's pick, best first

@@ -31,8 +31,16 @@ class Engine {
   // kDraftSampleTop best ids, so a draft close to the target proposes the target's own sample.
   // Row r equals verify(chain[0..r])[r] bitwise; committed state unchanged. One call instead
   // of `rows` chain verifies of growing length. `chain` (if given) receives a1..a(rows).
+  // `prefix`: context tokens to commit first (at most max_draft_prefix()), taken in by the
+  // chain's first forward with the root: a drafter's tokens the last chain did not cover
+  // (after a fully kept chain, its last pick) cost no forward of their own; the state is
+  // then prefill(prefix)'s, and the chain's rows follow it.
   std::vector<float> draft_chain(int root, int rows, double temperature = 0.0, uint64_t seed = 0,
-                                 std::vector<int>* chain = nullptr);
+                                 std::vector<int>* chain = nullptr,
+                                 const std::vector<int>& prefix = {});
+  // The longest draft_chain prefix: the GDN layers keep a prefix row's conv input in their
+  // window only while the first forward has at most K-1 rows.
+  int max_draft_prefix() const;
   // After a draft chain: adopt the longest prefix of `tokens` (the target's committed tokens)
   // that equals the chain's processed tokens (root, a1, ...) as committed, from what the
   // chain kept (their K/V rows, and per GDN layer their pending-tape entries), and return its
@@ -44,7 +52,8 @@ class Engine {
   // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
   // are [rows][k].
   void draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
-                        std::vector<int>* ids, std::vector<double>* logp);
+                        std::vector<int>* ids, std::vector<double>* logp,
+                        const std::vector<int>& prefix = {});
   void reset();
   // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
   // state left as it is) without paying for their prefill. Not a model computation.

@@ -154,17 +154,22 @@ void GDNLayer::commit(const std::vector<int>& path, int threads) {
   if (n_pending_ > max_pending_) fold_oldest(n_pending_ - max_pending_, threads);
 }
 
-GDNLayer::Token GDNLayer::last_token() const {
+GDNLayer::Token GDNLayer::token(int i) const {
   const GDNDims& d = dims_;
-  SW_CHECK(!g_.empty(), "last_token before any prefill");
-  const int n = int(g_.size()) / d.hv, C = d.channels();
+  SW_CHECK(!g_.empty(), "token before any prefill");
+  const int n = int(g_.size()) / d.hv, C = d.channels(), W = d.conv_k - 1;
+  SW_CHECK(i >= 0 && i < n && (W == 0 || n - i <= W), "GDN token ", i, " of ", n,
+           " rows: its conv input has left the window");
   const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
   Token t;
-  t.k.assign(k_.begin() + kq * (n - 1), k_.begin() + kq * n);
-  t.v.assign(v_.begin() + vv * (n - 1), v_.begin() + vv * n);
-  t.g.assign(g_.end() - d.hv, g_.end());
-  t.beta.assign(beta_.end() - d.hv, beta_.end());
-  if (d.conv_k > 1) t.x.assign(window_.end() - C, window_.end());  // prefill slid it in
+  t.k.assign(k_.begin() + kq * i, k_.begin() + kq * (i + 1));
+  t.v.assign(v_.begin() + vv * i, v_.begin() + vv * (i + 1));
+  t.g.assign(g_.begin() + size_t(d.hv) * i, g_.begin() + size_t(d.hv) * (i + 1));
+  t.beta.assign(beta_.begin() + size_t(d.hv) * i, beta_.begin() + size_t(d.hv) * (i + 1));
+  if (W > 0) {  // prefill slid it in: row W - (n - i) of the window
+    const auto row = window_.begin() + size_t(W - (n - i)) * C;
+    t.x.assign(row, row + C);
+  }
   return t;
 }
 

@@ -42,10 +42,15 @@ class GDNLayer {
   struct Token {
     std::vector<float> k, v, g, beta, x;
   };
-  Token last_token() const;  // after prefill: its last token
+  // After prefill: its row i, whose conv input must still be in the window (the last K-1 rows)
+  Token token(int i) const;
   // Commit tokens as pending (after restore() to the state they followed); bitwise the state
   // prefill of the same tokens leaves, as folding a pending token is the chain's recurrence.
   void append_pending(const Token* const* tokens, int m, int threads);
+  // Fold every pending token into S (the committed state it stands for is unchanged).
+  void fold_pending(int threads) {
+    if (n_pending_ > 0) fold_oldest(n_pending_, threads);
+  }
 
   // S with every pending token folded in (what the state "is"); for tests and snapshots.
   std::vector<float> folded_state(int threads) const;

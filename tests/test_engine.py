@@ -126,14 +126,39 @@ def test_draft_chain_equals_growing_chain_verifies_bitwise(ckpt, pending):
     assert (eng.verify([5], [-1]) == fresh.verify([5], [-1])).all()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("n_prefix", [1, 2])
+def test_draft_chain_takes_a_prefix_in_its_first_forward(ckpt, n_prefix, temperature):
+    """draft_chain(root, prefix=p) == prefill(p) then draft_chain(root), bitwise: its rows, the
+    committed state it leaves and the rows keep_draft then adopts."""
+    base, pre = prompt(40, seed=12), prompt(n_prefix, seed=13)
+    a, b = (sapwood.load(ckpt, weights="q8").engine for _ in range(2))
+    a.prefill(base)
+    b.prefill(base)
+    assert a.max_draft_prefix == 2  # conv kernel 4: a first forward of 3 rows keeps its inputs
+    ids_a, _ = a.draft_candidates(7, 6, 1, temperature, 3, prefix=pre)
+    b.prefill(pre)
+    ids_b, _ = b.draft_candidates(7, 6, 1, temperature, 3)
+    assert (ids_a == ids_b).all() and a.position == b.position == 40 + n_prefix
+    chain = [7] + [int(t) for t in ids_a[:-1, 0]]
+    assert a.keep_draft(chain[:4] + [3]) == b.keep_draft(chain[:4] + [3]) == 4
+    tree = [5, 9, 2], [-1, 0, 0]
+    assert (a.verify(*tree) == b.verify(*tree)).all()
+    with pytest.raises(ValueError, match="prefix of 3 tokens"):
+        a.draft_chain(7, 2, prefix=[1, 2, 3])
+    with pytest.raises(ValueError):
+        a.draft_chain(7, 2, prefix=[999999])
+    assert (a.verify(*tree) == b.verify(*tree)).all()  # unchanged by the errors
+
+
 @pytest.mark.parametrize("kept", [0, 1, 4, 6])
 @pytest.mark.parametrize("pending", [0, 3])
 def test_keep_draft_adopts_the_committed_rows_of_the_chain(ckpt, kept, pending):
     """After a draft chain, keep_draft(tokens) commits the prefix of tokens that the chain
     processed (here `kept` of them, then a token that leaves the chain) as pending GDN tokens;
     prefilling the rest leaves the state a plain prefill of all tokens gives, bitwise. The GDN
-    layers may hold pending tokens before the chain, and a second adoption pushes the pending
-    count past the layer's limit (8), which folds the oldest."""
+    layers may hold pending tokens before the chain (folding past a layer's limit is
+    test_gdn's)."""
     base = prompt(70, seed=4)  # 70: the chain crosses a KV page boundary (64)
     eng = sapwood.load(ckpt, weights="q8").engine
     eng.prefill(base[:60 - pending])

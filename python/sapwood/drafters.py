@@ -100,7 +100,8 @@ class ModelDrafter:
         self.model, self.top_k = model, int(top_k)
         self.engine = model.engine
         self.vocab_size = model.config.vocab_size
-        self._synced = 0  # how many context tokens the draft engine has committed
+        self._synced = 0  # how many context tokens the draft has been given
+        self._pending: list[int] = []  # given but not yet committed to the draft engine
         self.temperature, self.seed = 0.0, 0
 
     def set_sampling(self, temperature: float, seed: int) -> None:
@@ -109,7 +110,7 @@ class ModelDrafter:
 
     def reset(self) -> None:
         self.engine.reset()
-        self._synced = 0
+        self._synced, self._pending = 0, []
 
     def sync(self, context: Sequence[int]) -> None:
         """Commit context tokens the draft has not seen (the prompt, or after a reset)."""
@@ -117,23 +118,35 @@ class ModelDrafter:
             self.reset()
         todo = list(context[self._synced:])
         if todo:
-            self.engine.prefill(todo)
+            self.engine.prefill(self._pending + todo)
+            self._pending = []
             self._synced += len(todo)
 
     def advance(self, committed) -> None:
         committed = [int(t) for t in committed]
         if committed:
             # the rows of the last draft chain that the target committed are already computed
-            kept = self.engine.keep_draft(committed)
-            if kept < len(committed):
-                self.engine.prefill(committed[kept:])
+            kept = 0 if self._pending else self.engine.keep_draft(committed)
+            rest, self._pending = self._pending + committed[kept:], []
+            # what the chain did not cover (after a fully kept chain, its last pick) goes in
+            # with the next chain's first forward: a prefill of its own cost ~170 us a round
+            # on the bundled pair, the larger first forward ~80 us (code-docstring, chain:
+            # draft + advance 0.80-0.83 -> 0.76 ms a round; six prompts +1.4..+4.9% decode)
+            if len(rest) <= self.engine.max_draft_prefix:
+                self._pending = rest
+            else:
+                self.engine.prefill(rest)
             self._synced += len(committed)
 
     def draft(self, context, root, rows) -> Lattice:
         self.sync(context)
-        rows = min(rows, self.engine.max_context - self.engine.position - 1)
+        rows = min(rows, self.engine.max_context - self.engine.position - len(self._pending) - 1)
         if rows <= 0:
+            if self._pending:
+                self.engine.prefill(self._pending)
+                self._pending = []
             return Lattice()
         ids, logp = self.engine.draft_candidates(int(root), rows, self.top_k, self.temperature,
-                                                 self.seed)
+                                                 self.seed, self._pending)
+        self._pending = []
         return Lattice(tokens=list(ids), logprobs=list(logp))
