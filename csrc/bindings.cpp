@@ -133,7 +133,7 @@ PYBIND11_MODULE(_core, m) {
     // Bytes/s of a parallel streaming read (sum of uint64 words): the memory floor benchmarks
     // compare against. Best of `repeats` after one warm pass. On huge pages where the OS
     // grants them, as the weights are: on 4 KiB pages this read measured 25-26 GB/s where it
-    // reads 34 on 2 MiB ones (2-core Xeon, THP on request), a floor 30% too low.
+    // reads 34 on 2 MiB ones (2-core Xeon, THP on request): the floor's bandwidth ~30% low.
     BigVector<uint64_t> buf(nbytes / 8, 1);
     const int n = std::max(1, threads > 0 ? threads : default_threads());
     std::vector<uint64_t> sums(n);

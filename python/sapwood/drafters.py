@@ -126,7 +126,8 @@ class ModelDrafter:
         committed = [int(t) for t in committed]
         if committed:
             # the rows of the last draft chain that the target committed are already computed
-            kept = 0 if self._pending else self.engine.keep_draft(committed)
+            # (with tokens pending no chain ran since the last advance: nothing is kept)
+            kept = self.engine.keep_draft(committed)
             rest, self._pending = self._pending + committed[kept:], []
             # what the chain did not cover (after a fully kept chain, its last pick) goes in
             # with the next chain's first forward: a prefill of its own cost ~170 us a round

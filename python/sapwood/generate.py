@@ -197,7 +197,7 @@ class Decoder:
             # token does not wait for it (chain and auto requests' time to first token was 28%
             # longer than plain decoding's), and a request that never drafts never pays it.
             self._behind = len(self.context)
-        self._prompt_pending = self._behind > 0  # the first catch-up is the draft's prefill
+            self._prompt_pending = True  # the first catch-up is the draft's prefill
         root = self._pick(logits, len(self.context), self.context)
         st.prefill_s = time.perf_counter() - t0
         t_start = time.perf_counter()

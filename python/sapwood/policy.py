@@ -208,11 +208,11 @@ class PlainFallback:
     over two recordings, worst prompt x0.92-0.98; without the early bound the width study's
     depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The plain rate, the median of
     recent plain rounds, is kept across requests per context band in the WidthRule: it does
-    not depend on the prompt. While plain wins, the drafter is left behind (it catches up on the skipped tokens
-    before it next drafts), and a speculative round probes again when due: probes cost a
-    speculative round's excess over plain rounds plus the catch-up (tokens behind x the
-    drafter's measured time per token), and are spaced to cost at most `budget` of the time,
-    at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
+    not depend on the prompt. While plain wins, the drafter is left behind (it catches up on
+    the skipped tokens before it next drafts), and a speculative round probes again when
+    due: probes cost a speculative round's excess over plain rounds plus the catch-up (tokens
+    behind x the drafter's measured time per token), and are spaced to cost at most `budget`
+    of the time, at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
     afresh. Output is unaffected: a plain round is a width-1 tree."""
 
     def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
