@@ -153,6 +153,8 @@ PYBIND11_MODULE(_core, m) {
     if (sums[0] == 42) best += 0;  // keep the loads alive
     return double(buf.size() * 8) / best;
   }, py::arg("nbytes") = size_t(1) << 29, py::arg("threads") = 0, py::arg("repeats") = 3);
+  m.def("arena_chunks", &arena_chunks,
+        "Huge-page chunks the weight/KV arena holds now (huge_pages.h); for tests.");
   m.def("get_num_threads", &default_threads);
 
   m.def("logsumexp", [](py::handle x_obj) {

@@ -1,38 +1,34 @@
 // Storage for the large arrays a decode step streams (weights, the KV pool), backed by
 // transparent huge pages where the OS offers them on request (Linux THP in "madvise" mode,
-// the common default). With 4 KiB pages, streaming the weights costs a TLB miss every 4 KiB:
-// the realistic 0.66B shape's one-row matmuls (2 threads, 2-core Xeon) took 27.0 ms on small
-// pages and 25.6 on huge ones (medians of 12 passes, alternated processes); a whole decode
-// step gains less (~1%, within the host's noise).
+// the common default). With 4 KiB pages, streaming the weights costs a TLB miss every 4 KiB
+// and reads slower: the read-bandwidth probe 25-26 GB/s on small pages, 33-35 on huge ones
+// (2-core Xeon).
+//
+// Arrays are carved from shared huge-page chunks (HugeArena) rather than each taking its own
+// pages: a model is many matrices of 0.1-6 MB, and on their own each one's tail beyond its
+// last whole huge page (all of a matrix under 2 MiB) stayed on small pages, about half the
+// bytes of the realistic 0.66B shape. One-row matmuls over 40 separate 3.7 MB matrices read
+// 13.6-13.9 GB/s on one thread against 16.0 for one 155 MB matrix (15.3-15.5 from the arena);
+// the realistic decode step at context 64 went 25.7-26.9 -> 25.1-25.7 ms and the bundled
+// target's one-token verify 351-365 -> 326-351 us (alternated processes, 6 and 4 each).
 #pragma once
 #include <cstddef>
-#include <cstdlib>
-#include <new>
 #include <vector>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 
 namespace sapwood {
 
 constexpr size_t kHugePage = size_t(2) << 20;
 
-// Large arrays start on a huge-page boundary and their whole huge pages are marked for THP
-// (the tail stays on small pages, so no memory is wasted). Small ones: plain malloc. Both are
-// released with free().
-inline void* alloc_huge_capable(size_t bytes) {
-  void* p = nullptr;
-  if (bytes >= kHugePage) {
-    if (posix_memalign(&p, kHugePage, bytes) != 0) throw std::bad_alloc();
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: failure is harmless
-#endif
-    return p;
-  }
-  p = std::malloc(bytes ? bytes : 1);
-  if (!p) throw std::bad_alloc();
-  return p;
-}
+// Arrays from kArenaMin bytes come from the arena (64-byte aligned), smaller ones from malloc.
+// The arena bump-allocates in chunks of kArenaChunk (2 MiB aligned, madvised as a whole); an
+// array over half a chunk gets a chunk of its own, whole huge pages. A chunk is returned to
+// the OS when its last array is freed, and freeing the newest array of the current chunk
+// gives its space back, so a model's storage goes away with the model.
+constexpr size_t kArenaMin = size_t(64) << 10;
+constexpr size_t kArenaChunk = size_t(32) << 20;
+void* alloc_huge_capable(size_t bytes);
+void free_huge_capable(void* p, size_t bytes);
+size_t arena_chunks();  // chunks held now (for tests)
 
 template <class T>
 struct HugePageAllocator {
@@ -41,7 +37,7 @@ struct HugePageAllocator {
   template <class U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t n) { return static_cast<T*>(alloc_huge_capable(n * sizeof(T))); }
-  void deallocate(T* p, size_t) { std::free(p); }
+  void deallocate(T* p, size_t n) { free_huge_capable(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }
   template <class U>

@@ -31,17 +31,17 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   fmt = f, rows = r, cols = c;
   f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
   if (f == WFormat::F32 || f == WFormat::BF16) {
-    const int rb = round_up(r, kOutBlock);
-    BigVector<float> packed(size_t(rb) * c, 0.0f);
+    // packed in place (padding outputs zero): a temporary would hold arena space (huge_pages.h)
+    const size_t n = size_t(round_up(r, kOutBlock)) * c;
+    if (f == WFormat::F32) f32.assign(n, 0.0f);
+    else bf16.assign(n, 0);
     for (int o = 0; o < r; ++o)
-      for (int k = 0; k < c; ++k)
-        packed[(size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock] = w[size_t(o) * c + k];
-    if (f == WFormat::F32) {
-      f32.swap(packed);
-    } else {
-      bf16.resize(packed.size());
-      for (size_t i = 0; i < packed.size(); ++i) bf16[i] = f32_to_bf16(packed[i]);
-    }
+      for (int k = 0; k < c; ++k) {
+        const size_t i = (size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock;
+        const float x = w[size_t(o) * c + k];
+        if (f == WFormat::F32) f32[i] = x;
+        else bf16[i] = f32_to_bf16(x);
+      }
   } else if (f == WFormat::Q8) {
     cols_pad = round_up(c, 32);
     q8.assign(size_t(round_up(r, kQ8Group)) * cols_pad, 0);  // padding rows stay zero
