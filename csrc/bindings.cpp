@@ -163,6 +163,12 @@ PYBIND11_MODULE(_core, m) {
     return kernels().logsumexp(x.data(), size_t(x.shape(0)));
   }, py::arg("x"), "max(x) + log(sum(exp(x - max))) of float32 x [n] (the draft's ranking).");
 
+  m.def("argmax", [](py::handle x_obj) {
+    F32 x = as_f32(x_obj, "x", {-1}, /*finite=*/false);  // NaN and inf have a defined answer
+    SW_CHECK(x.shape(0) > 0, "argmax of an empty array");
+    return kernels().argmax(x.data(), size_t(x.shape(0)));
+  }, py::arg("x"), "The first index of the largest non-NaN x[i] (0 when there is none) of float32 "
+     "x [n]: the draft's greedy pick.");
   m.def("rms_norm", [](py::handle x_obj, py::handle w_obj, float eps, bool inplace) {
     F32 x = as_f32(x_obj, "x", {-1, -1});
     F32 w = as_f32(w_obj, "w", {x.shape(1)});

@@ -140,7 +140,7 @@ uint64_t mix64(uint64_t z) {
 // only matters for proposals, never for what is emitted).
 int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint64_t position,
                int top) {
-  if (temperature <= 0.0) return int(std::max_element(row, row + V) - row);  // first max
+  if (temperature <= 0.0) return kernels().argmax(row, size_t(V));  // first max
   std::vector<int> ids(V);
   for (int i = 0; i < V; ++i) ids[i] = i;
   top = std::min(top, V);

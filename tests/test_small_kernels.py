@@ -63,6 +63,26 @@ def test_logsumexp(rng, n, peaked):
     assert abs(got - logsumexp(x)) <= 1e-6
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 16, 17, 4096])
+def test_argmax_first_largest_skipping_nan(rng, n):
+    """The first index of the largest value, NaNs skipped, on every ISA; ties and special
+    values placed where each lane width (16, 8, scalar tail) sees them."""
+    x = rng.standard_normal(n).astype(np.float32)
+    assert on_every_isa(lambda: _core.argmax(x)) == int(np.argmax(x))
+    for where in sorted({0, n // 2, n - 1}):
+        t = x.copy()
+        t[where:] = np.where(np.arange(n - where) % 3 == 0, 5.0, t[where:])  # ties: the first wins
+        assert on_every_isa(lambda: _core.argmax(t)) == where
+        t[where] = np.nan  # skipped, wherever it is (np.argmax would return it)
+        nan_free = np.where(np.isnan(t), -np.inf, t)
+        assert on_every_isa(lambda: _core.argmax(t)) == int(np.argmax(nan_free))
+    assert on_every_isa(lambda: _core.argmax(np.full(n, np.nan, np.float32))) == 0
+    assert on_every_isa(lambda: _core.argmax(np.full(n, -np.inf, np.float32))) == 0
+    signed = np.zeros(n, np.float32)
+    signed[0] = -0.0
+    assert on_every_isa(lambda: _core.argmax(signed)) == 0  # -0 == +0: the first
+
+
 def test_small_kernels_check_their_input():
     with pytest.raises(ValueError, match="empty"):
         _core.logsumexp(np.zeros(0, np.float32))

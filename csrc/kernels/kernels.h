@@ -93,6 +93,8 @@ struct KernelTable {
   void (*rms_norm)(const float* x, const float* w1, int n, int dim, float eps, float* out);
   // quantize_block (common.h) of one row: returns the scale
   float (*quantize_row)(const float* x, int n, float qmax, int8_t* q);
+  // the first index of the largest non-NaN x[i] (0 when there is none)
+  int (*argmax)(const float* x, size_t n);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512|amx.
