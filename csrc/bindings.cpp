@@ -169,6 +169,17 @@ PYBIND11_MODULE(_core, m) {
     return kernels().argmax(x.data(), size_t(x.shape(0)));
   }, py::arg("x"), "The first index of the largest non-NaN x[i] (0 when there is none) of float32 "
      "x [n]: the draft's greedy pick.");
+  m.def("top_ids", [](py::handle x_obj, int k, int skip) {
+    F32 x = as_f32(x_obj, "x", {-1}, /*finite=*/false);
+    const int n = int(x.shape(0));
+    SW_CHECK(k >= 0 && k <= n - (skip >= 0 && skip < n ? 1 : 0), "top_ids: k=", k,
+             " ids do not fit in ", n, " values (skip ", skip, ")");
+    std::vector<int> out(size_t(k), -1);
+    kernels().top_ids(x.data(), n, k, skip, out.data());
+    return out;
+  }, py::arg("x"), py::arg("k"), py::arg("skip") = -1,
+     "The k best ids of float32 x [n] other than `skip`, best first, an equal value's lower id "
+     "first; NaNs never enter (-1 where fewer qualify): the draft's candidates.");
   m.def("rms_norm", [](py::handle x_obj, py::handle w_obj, float eps, bool inplace) {
     F32 x = as_f32(x_obj, "x", {-1, -1});
     F32 w = as_f32(w_obj, "w", {x.shape(1)});

@@ -256,26 +256,12 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
   const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, prefix);
   ids->assign(size_t(rows) * k, 0);
   logp->assign(ids->size(), 0.0);
-  std::vector<int> best;  // the k-1 best ids other than the chain's pick, best first
   for (int r = 0; r < rows; ++r) {
     const float* row = z.data() + size_t(r) * V;
-    // One pass for the log-sum-exp and one for the top k-1: a partial sort of the whole row
-    // cost more than the draft's forward.
     const double lse = kernels().logsumexp(row, size_t(V));
-    best.clear();
-    float floor = k > 1 ? -INFINITY : INFINITY;  // the (k-1)-th best so far, once there are k-1
-    for (int i = 0; i < V; ++i) {
-      if (row[i] <= floor || i == chain[r]) continue;
-      // insert keeping best-first order; an equal value sorts after (lower ids come first)
-      auto at = std::upper_bound(best.begin(), best.end(), i,
-                                 [&](int a, int b) { return row[a] > row[b]; });
-      best.insert(at, i);
-      if (int(best.size()) > k - 1) best.pop_back();
-      if (int(best.size()) == k - 1) floor = row[best.back()];
-    }
     int* out = ids->data() + size_t(r) * k;
     out[0] = chain[r];
-    std::copy(best.begin(), best.end(), out + 1);
+    kernels().top_ids(row, V, k - 1, chain[r], out + 1);  // the k-1 best other ids
     for (int j = 0; j < k; ++j) (*logp)[size_t(r) * k + j] = double(row[out[j]]) - lse;
   }
 }

@@ -83,6 +83,21 @@ def test_argmax_first_largest_skipping_nan(rng, n):
     assert on_every_isa(lambda: _core.argmax(signed)) == 0  # -0 == +0: the first
 
 
+@pytest.mark.parametrize("n", [2, 9, 16, 17, 40, 4096])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_top_ids_best_first_lower_id_on_ties(rng, n, k):
+    """The k best ids other than skip, best first, ties by lower id, NaN never: the draft's
+    candidates; the same on every ISA, against a stable sort."""
+    k = min(k, n - 1)
+    x = rng.integers(-4, 5, n).astype(np.float32)  # few values: many ties
+    x[rng.integers(0, n, max(1, n // 7))] = np.nan
+    for skip in (-1, int(np.nanargmax(x)), n - 1):
+        keys = np.where(np.isnan(x), np.inf, -x)
+        order = [int(i) for i in np.argsort(keys, kind="stable") if i != skip and not np.isnan(x[i])]
+        want = (order + [-1] * k)[:k]
+        assert on_every_isa(lambda: _core.top_ids(x, k, skip)).tolist() == want
+
+
 def test_small_kernels_check_their_input():
     with pytest.raises(ValueError, match="empty"):
         _core.logsumexp(np.zeros(0, np.float32))

@@ -95,6 +95,9 @@ struct KernelTable {
   float (*quantize_row)(const float* x, int n, float qmax, int8_t* q);
   // the first index of the largest non-NaN x[i] (0 when there is none)
   int (*argmax)(const float* x, size_t n);
+  // the k best ids other than `skip` (-1: none), best first, an equal value's lower id first;
+  // NaNs never enter (out[0..k) must have room: k <= n, or n - 1 with skip in range)
+  void (*top_ids)(const float* x, int n, int k, int skip, int* out);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512|amx.
