@@ -342,12 +342,12 @@ def test_first_wide_round_calibrates_the_cost_model(models, monkeypatch):
     target, root = models
     p = prompt(20, seed=11)
     off = target.generate(p, max_tokens=24, verify="off").tokens
-    target._width_rule = None
+    target.reset_width_rules()
     rounds = []
     r = target.generate(p, max_tokens=24, drafter="lookup", verify="auto",
                         on_round=lambda t, path, s: rounds.append(t.width))
     assert r.tokens == off
-    cost = target._width_rule.cost
+    cost = target.width_rule(target.resolve_drafter("lookup")).cost
     assert cost.calibrated(target.engine.position)
     seen = cost.widths_seen(len(p))
     assert 1 in seen and max(seen) > 1
@@ -407,7 +407,7 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
     target, _ = models
     p = prompt(12, seed=21)
     off = target.generate(p, max_tokens=80, verify="off").tokens
-    target._width_rule = None  # no history from other tests
+    target.reset_width_rules()  # no history from other tests
     d = WrongDrafter(len(p))
     widths = []
     r = target.generate(p, max_tokens=80, drafter=d, verify="auto",
@@ -623,3 +623,21 @@ def test_fallback_replay_keeps_good_prompts_speculative_and_bad_ones_plain():
     assert rate["good", "chain"] == pytest.approx(4500, rel=0.01)
     assert rate["good", "auto"] >= 0.98 * rate["good", "chain"]
     assert rate["bad", "auto"] >= 0.85 * rate["bad", "off"] > rate["bad", "chain"]
+
+
+def test_width_rule_state_is_per_drafter(models):
+    """The policy's acceptance calibration and costs are a drafter's own: prompt lookup's
+    rounds never reach the draft model's rule, and each keeps its state across requests."""
+    target, root = models
+    target.reset_width_rules()
+    p = prompt(16, seed=5)
+    target.generate(p, max_tokens=16, drafter="lookup", verify="chain")
+    lookup_rule = target.width_rule(target.resolve_drafter("lookup"))
+    model_rule = target.width_rule(target.resolve_drafter(root / "draft"))
+    assert lookup_rule is not model_rule
+    assert lookup_rule.acceptance.offered.sum() > 0
+    assert model_rule.acceptance.offered.sum() == 0  # untouched by the lookup rounds
+    target.generate(p, max_tokens=16, drafter=root / "draft", verify="chain")
+    seen = model_rule.acceptance.offered.sum()
+    assert seen > 0 and target.width_rule(target.resolve_drafter(root / "draft")) is model_rule
+    assert lookup_rule.acceptance.offered.sum() > 0

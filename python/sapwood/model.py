@@ -28,7 +28,8 @@ class Model:
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
         self.draft = None        # an attached draft Model (the bundled default has one)
-        self._width_rule = None  # cost model and acceptance calibration, kept across requests
+        # per drafter (width_rule()): cost model and acceptance calibration across requests
+        self._width_rules: dict = {}
 
     def _tok(self):
         if self.tokenizer is None:
@@ -84,6 +85,25 @@ class Model:
             return drafter
         raise ValueError(f"unknown drafter {drafter!r}")
 
+    def width_rule(self, drafter):
+        """The speculation policy's state (policy.WidthRule) for requests drafted by `drafter`
+        (a resolved drafter; None for plain decoding), kept across requests. What it measures
+        holds whatever a request's verify mode or largest width, but not across drafters: the
+        acceptance calibration maps a drafter's own confidences, and drafting costs are part
+        of a round's. One rule for all drafters let the prompt-lookup drafter's rounds decide
+        whether the draft model's grew trees."""
+        from .policy import WidthRule
+
+        key = getattr(drafter, "policy_key", None) or (type(drafter).__module__,
+                                                        type(drafter).__qualname__)
+        if key not in self._width_rules:
+            self._width_rules[key] = WidthRule()
+        return self._width_rules[key]
+
+    def reset_width_rules(self) -> None:
+        """Forget what the speculation policy measured (a fresh process's first request)."""
+        self._width_rules.clear()
+
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                  drafter=None, verify="auto", width=None, rows=8, stop=None, stream=False,
@@ -97,7 +117,6 @@ class Model:
         instead of prefilling it again (benchmarks of long contexts use it).
         """
         from .generate import DecodeConfig, Decoder
-        from .policy import WidthRule
         from .sampling import SamplingParams
 
         ids = self._prompt_ids(prompt)
@@ -111,12 +130,8 @@ class Model:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         d = None if verify == "off" else self.resolve_drafter(drafter)
-        # one rule per model: what it measured (verify costs by width, acceptance) holds whatever
-        # the request's verify mode or largest width
-        if self._width_rule is None:
-            self._width_rule = WidthRule()
         self.engine.reset()
-        dec = Decoder(self.engine, d, cfg, rule=self._width_rule, on_round=on_round)
+        dec = Decoder(self.engine, d, cfg, rule=self.width_rule(d), on_round=on_round)
 
         def run():
             out = []

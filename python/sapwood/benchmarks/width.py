@@ -139,11 +139,11 @@ def main(a) -> int:
     for d in a.depths:
         out["first_request"][d] = []
         for _ in range(a.reps):
-            model._width_rule = None
+            model.reset_width_rules()
             r = model.generate(prompt_of[d], verify="auto", width=a.max_width, max_tokens=a.max_tokens,
                                drafter=a.drafter, temperature=a.temperature, cache_prompt=True)
             out["first_request"][d].append(r.stats.decode_tokens_per_s)
-    model._width_rule = None
+    model.reset_width_rules()
     for d in a.depths:
         res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature,
                           a.reps, print)
