@@ -315,8 +315,9 @@ class PlainFallback:
 
 @dataclass
 class WidthRule:
-    """The policy state a model keeps across requests: the cost model, the acceptance
-    calibration and the plain fallbacks, and the choice of a round's width from them.
+    """The policy state a model keeps across requests, one per drafter (Model.width_rule):
+    the cost model, the acceptance calibration and the plain fallbacks, and the choice of a
+    round's width from them.
 
     explore: one round in `explore_every` picks at random among the widths predicted
     within 10% of the best, so the cost fit keeps timings around the optimum (where its slope
