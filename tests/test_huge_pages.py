@@ -7,7 +7,7 @@ import numpy as np
 from sapwood import _core
 
 
-def _matrix(rng, rows=200, cols=256):  # 51 KB of q8 plus padding: over the arena's 64 KiB
+def _matrix(rng, rows, cols=256):  # rows x 256 bytes of q8: 512 rows is 128 KiB, arena-sized
     return _core.WeightMatrix(rng.standard_normal((rows, cols)).astype(np.float32), "q8")
 
 
