@@ -15,9 +15,9 @@ def test_arrays_share_chunks_and_chunks_are_returned():
     gc.collect()
     before = _core.arena_chunks()
     rng = np.random.default_rng(0)
-    ms = [_matrix(rng, rows=512) for _ in range(100)]  # 100 x 128 KiB: one or two chunks
+    ms = [_matrix(rng, rows=512) for _ in range(100)]  # 100 x 128 KiB
     held = _core.arena_chunks() - before
-    assert 1 <= held <= 2, held
+    assert held <= 2, held  # shared (a chunk an earlier test left room in may take them all)
     del ms
     gc.collect()
     assert _core.arena_chunks() == before
