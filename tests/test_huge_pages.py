@@ -49,8 +49,10 @@ def test_model_storage_goes_with_the_model(tmp_path):
     make_tiny_checkpoint(tmp_path / "m", seed=0)
     gc.collect()
     before = _core.arena_chunks()
-    model = sapwood.load(tmp_path / "m", weights="f32")
-    assert _core.arena_chunks() > before  # its matrices and KV pool
+    # a 20 MiB KV pool (f32, 512 bytes a position): over half a chunk, so a chunk of its own
+    model = sapwood.load(tmp_path / "m", weights="f32", kv="f32", max_context=40960)
+    assert model.engine.memory()["kv_pool_bytes"] > 16 << 20
+    assert _core.arena_chunks() > before
     del model
     gc.collect()
     assert _core.arena_chunks() == before
