@@ -28,6 +28,7 @@ class Tree:
     def __post_init__(self):
         if self.q is None:
             self.q = np.zeros(self.tokens.size)
+        self._children = None  # child(): (parent, token) -> node
 
     @property
     def width(self) -> int:
@@ -39,8 +40,11 @@ class Tree:
 
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
-        hit = np.nonzero((self.parents == node) & (self.tokens == token))[0]
-        return int(hit[0]) if hit.size else -1
+        if self._children is None:  # built on the first lookup: a walk makes one per token,
+            # and a numpy search of the whole tree each time cost ~4 us
+            self._children = {(p, t): i for i, (p, t) in
+                              enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
+        return self._children.get((int(node), int(token)), -1)
 
     def prefix(self, w: int) -> "Tree":
         return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w],
