@@ -635,9 +635,10 @@ def test_width_rule_state_is_per_drafter(models):
     lookup_rule = target.width_rule(target.resolve_drafter("lookup"))
     model_rule = target.width_rule(target.resolve_drafter(root / "draft"))
     assert lookup_rule is not model_rule
-    assert lookup_rule.acceptance.offered.sum() > 0
+    lookup_seen = lookup_rule.acceptance.offered.sum()
+    assert lookup_seen > 0
     assert model_rule.acceptance.offered.sum() == 0  # untouched by the lookup rounds
     target.generate(p, max_tokens=16, drafter=root / "draft", verify="chain")
-    seen = model_rule.acceptance.offered.sum()
-    assert seen > 0 and target.width_rule(target.resolve_drafter(root / "draft")) is model_rule
-    assert lookup_rule.acceptance.offered.sum() > 0
+    assert model_rule.acceptance.offered.sum() > 0
+    assert target.width_rule(target.resolve_drafter(root / "draft")) is model_rule
+    assert lookup_rule.acceptance.offered.sum() == lookup_seen  # and the other way round
