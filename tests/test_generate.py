@@ -480,6 +480,24 @@ def test_plain_fallback_goes_plain_only_on_clear_evidence():
     assert not _judged([1, 2] * 4, seconds=0.0004).prefers_plain()
 
 
+def test_plain_fallback_judges_early_rounds_with_the_bands_pooled_spread():
+    """A band's earlier requests tell the spread of tokens per round; a new request's first
+    rounds are judged with it (z standard errors), not with z_early of their own spread."""
+    pf = _judged([3, 6] * 8)            # 4.5 tokens a round in 2 ms: 2250 tok/s, plain 2000
+    assert not pf.prefers_plain() and pf._devs >= pf.pooled_min
+    assert abs((pf._dev2 / pf._devs) ** 0.5 - 1.55) < 0.15
+    fresh = PlainFallback()             # the same plain rate, no pooled spread yet
+    fresh.plain_s = pf.plain_s
+    for f in (pf, fresh):
+        f.begin_request(cap=9)
+        for t in (1, 3, 1):             # 1.67 tokens a round: 830 tok/s
+            f.observe(False, t, 0.002)
+    # own spread 1.15 under z_early: (1.67 + 4 x 0.67) / 2 ms = 2170 tok/s, keeps drafting;
+    # the band's ~1.55 under z: (1.67 + 2 x 0.9) / 2 ms = ~1730 tok/s, plain
+    assert not fresh.prefers_plain() and not fresh.skip_draft()
+    assert pf.prefers_plain() and pf.skip_draft()
+
+
 def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
     pf = _judged([1] * 8, seconds=0.0025, plain_s=0.0005)
     pf.catch_up_per_token = 1e-4

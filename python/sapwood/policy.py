@@ -198,17 +198,22 @@ class PlainFallback:
     Each request judges its own prompt (how well a draft follows it is the prompt's, not the
     band's): it keeps speculating while an optimistic bound of its speculative rate, the mean
     tokens of its speculative rounds plus `z` standard errors over their mean time, reaches
-    the plain rate; over its first `min_rounds` rounds the bound takes `z_early` standard
-    errors (and gives up at once where even rounds committing `cap` tokens would lose). So
-    it goes plain only on clear evidence, and a prompt where speculation wins by a margin is
-    never judged on a few unlucky rounds: drafts are harder at the start of a reply, and with
-    a running average and the verdict carried across requests, prompts where the chain gains
-    20% ran plain. The parameters come from replaying recorded chain rounds
-    (bench/replay_fallback.py; bench/results/fallback_replay.txt): cohort vs chain x1.017-1.023
-    over two recordings, worst prompt x0.92-0.98; without the early bound the width study's
-    depth-2048 text ran at 0.82 of plain decoding, with it 0.88. The plain rate, the median of
-    recent plain rounds, is kept across requests per context band in the WidthRule: it does
-    not depend on the prompt. While plain wins, the drafter is left behind (it catches up on
+    the plain rate (and gives up at once where even rounds committing `cap` tokens would
+    lose). So it goes plain only on clear evidence, and a prompt where speculation wins by a
+    margin is never judged on a few unlucky rounds: drafts are harder at the start of a reply,
+    and with a running average and the verdict carried across requests, prompts where the
+    chain gains 20% ran plain. A request's first rounds say little about their own spread:
+    until it has `pooled_rounds` of them the standard error takes the band's pooled spread
+    (the within-request deviations of recent requests, kept like the plain rate), and before
+    the band has one, `z_early` standard errors of the request's own spread over its first
+    `min_rounds`. The parameters come from replaying recorded chain rounds
+    (bench/replay_fallback.py; bench/results/fallback_replay.txt). The pooled spread (against
+    z_early's own spread up to min_rounds = 8): a recording on a 2-core Zen 5, where a chain
+    round costs 5-9 plain tokens, auto vs plain x0.917 -> x0.969 (per prompt the better of chain
+    and plain: x0.846 -> x0.895); a Xeon's recording, where the chain mostly wins, x1.195 ->
+    x1.193. Without the early bound the width study's depth-2048 text ran at 0.82 of plain
+    decoding, with it 0.88. The plain rate, the median of recent plain rounds, is kept across
+    requests per context band in the WidthRule: it does not depend on the prompt. While plain wins, the drafter is left behind (it catches up on
     the skipped tokens before it next drafts), and a speculative round probes again when
     due: probes cost a speculative round's excess over plain rounds plus the catch-up (tokens
     behind x the drafter's measured time per token), and are spaced to cost at most `budget`
@@ -216,9 +221,14 @@ class PlainFallback:
     afresh. Output is unaffected: a plain round is a width-1 tree."""
 
     def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
-                 z: float = 2.0, z_early: float = 4.0, window: int = 16):
+                 z: float = 2.0, z_early: float = 4.0, window: int = 16, pooled_rounds: int = 16,
+                 pooled_decay: float = 0.98, pooled_min: float = 8.0):
         self.budget, self.first_probe, self.min_rounds = budget, first_probe, min_rounds
         self.z, self.z_early, self.window = z, z_early, window
+        self.pooled_rounds, self.pooled_decay, self.pooled_min = pooled_rounds, pooled_decay, pooled_min
+        # the band's pooled spread: decayed sums of Welford increments (squared deviations from
+        # the request's running mean) and of their count, over recent requests' rounds
+        self._dev2, self._devs = 0.0, 0.0
         self.plain_s = None
         self._plain_times: list[float] = []  # plain_s is their median: robust to a slow spell
         self.catch_up_per_token = None        # the drafter's seconds per caught-up token
@@ -245,8 +255,11 @@ class PlainFallback:
             return
         # plain arithmetic: statistics.stdev took 12 us a round
         mean, secs = sum(self._tokens) / n, sum(self._secs) / n
-        sd = (sum((t - mean) ** 2 for t in self._tokens) / (n - 1)) ** 0.5
-        z = self.z if n >= self.min_rounds else (self.z_early if n >= 3 else None)
+        if n < self.pooled_rounds and self._devs >= self.pooled_min:
+            z, sd = self.z, (self._dev2 / self._devs) ** 0.5  # the band's spread
+        else:
+            sd = (sum((t - mean) ** 2 for t in self._tokens) / (n - 1)) ** 0.5
+            z = self.z if n >= self.min_rounds else (self.z_early if n >= 3 else None)
         bound = None if z is None else (mean + z * sd / n ** 0.5) / secs
         self._spec = (mean, secs, self.cap / secs, bound)
 
@@ -307,6 +320,10 @@ class PlainFallback:
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
+        if self._tokens:  # the pooled spread: this round's deviation from the request's mean
+            n, d = len(self._tokens), self.pooled_decay
+            dev = tokens - sum(self._tokens) / n
+            self._dev2, self._devs = d * self._dev2 + dev * dev * n / (n + 1), d * self._devs + 1
         self._tokens.append(int(tokens))
         self._secs.append(seconds)
         del self._tokens[:-self.window], self._secs[:-self.window]
