@@ -212,14 +212,15 @@ class PlainFallback:
     round costs 5-9 plain tokens, auto vs plain x0.917 -> x0.969 (per prompt the better of chain
     and plain: x0.846 -> x0.895); a Xeon's recording, where the chain mostly wins, x1.195 ->
     x1.193. Without the early bound the width study's depth-2048 text ran at 0.82 of plain
-    decoding, with it 0.88. The plain rate, from the lower quartile of recent plain rounds (at least
-    `plain_samples` of them), is kept across requests per context band in the WidthRule: it
-    does not depend on the prompt. Live on the Zen 5 (13 prompts x 128 tokens, 3 blocks) the
-    pooled spread and this plain rate took auto from x0.71 to x0.94 of plain decoding. While plain wins, the drafter is left behind (it catches up on
-    the skipped tokens before it next drafts), and a speculative round probes again when
-    due: probes cost a speculative round's excess over plain rounds plus the catch-up (tokens
-    behind x the drafter's measured time per token), and are spaced to cost at most `budget`
-    of the time, at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
+    decoding, with it 0.88. The plain rate, from the lower quartile of recent plain rounds
+    (at least `plain_samples` of them), is kept across requests per context band in the
+    WidthRule: it does not depend on the prompt. Live on the Zen 5 (13 prompts x 128 tokens,
+    3 blocks) the pooled spread and this plain rate took auto from x0.71 to x0.94 of plain
+    decoding. While plain wins, the drafter is left behind (it catches up on the skipped
+    tokens before it next drafts), and a speculative round probes again when due: probes cost
+    a speculative round's excess over plain rounds plus the catch-up (tokens behind x the
+    drafter's measured time per token), and are spaced to cost at most `budget` of the time,
+    at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
     afresh. Output is unaffected: a plain round is a width-1 tree."""
 
     def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
@@ -227,7 +228,8 @@ class PlainFallback:
                  pooled_decay: float = 0.98, pooled_min: float = 8.0, plain_samples: int = 8):
         self.budget, self.first_probe, self.min_rounds = budget, first_probe, min_rounds
         self.z, self.z_early, self.window = z, z_early, window
-        self.pooled_rounds, self.pooled_decay, self.pooled_min = pooled_rounds, pooled_decay, pooled_min
+        self.pooled_rounds, self.pooled_decay = pooled_rounds, pooled_decay
+        self.pooled_min = pooled_min
         # the band's pooled spread: decayed sums of Welford increments (squared deviations from
         # the request's running mean) and of their count, over recent requests' rounds
         self._dev2, self._devs = 0.0, 0.0
