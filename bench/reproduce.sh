@@ -14,6 +14,9 @@ sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 3 --
 sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 3 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
 python bench/replay_fallback.py record --out $R/fallback_rounds.json > /dev/null
 python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $R/fallback_replay.txt
+# the 2-core Xeon's recording of stop 18 (chain rounds ~4.75 plain tokens): policy changes are
+# replayed on both machines' rounds
+python bench/replay_fallback.py replay $R/fallback_rounds_xeon.json --verbose | tee $R/fallback_replay_xeon.txt
 GGUF=()
 if [ -n "${LLAMA_CPP:-}" ]; then
   for t in q8_0 f32; do
