@@ -27,7 +27,7 @@ namespace {
 // The spin outlasts the gaps of a decoding loop (the Python of a round, 60-300 us; a draft
 // model's single-threaded rows, ~400 us for 8): at 100 us the helper slept in them, and on a
 // 2-core Zen 5 VM a parked vCPU then takes several rounds to come back to speed (plain rounds
-// after a pause: 350-450 us, falling to ~200 over 6-10 rounds; with a 3 ms spin 210-260 to
+// after a pause: 350-560 us, falling to ~200 over 6-10 rounds; with a 3 ms spin 210-260 to
 // ~170). Bundled pair, 13 cohort prompts x 128 tokens, 4 alternated pairs of processes, 100 us
 // -> 2 ms: plain decoding 2121-3352 -> 3240-4701 tok/s, chain 1565-2407 -> 2074-2809, every
 // pair faster.
