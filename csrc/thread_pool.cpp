@@ -24,7 +24,7 @@ namespace {
 // kernel costs tens of microseconds in a VM, more than most regions' work. The spin is timed,
 // not counted, because the cost of `pause` varies tenfold between CPUs. Past it they block, so
 // an idle engine or a loaded machine (more runnable threads than cores) is not made worse.
-// The spin outlasts the gaps of a decoding loop (the Python of a round, 60-300 us; a draft
+// The spin outlasts the gaps of a decoding loop (the Python of a round, 20-300 us; a draft
 // model's single-threaded rows, ~400 us for 8): at 100 us the helper slept in them, and on a
 // 2-core Zen 5 VM a parked vCPU then takes several rounds to come back to speed (plain rounds
 // after a pause: 350-560 us, falling to ~200 over 6-10 rounds; with a 3 ms spin 210-260 to
