@@ -207,10 +207,11 @@ class PlainFallback:
     (the within-request deviations of recent requests, kept like the plain rate), and before
     the band has one, `z_early` standard errors of the request's own spread over its first
     `min_rounds`. The parameters come from replaying recorded chain rounds
-    (bench/replay_fallback.py; bench/results/fallback_replay.txt). The pooled spread (against
-    z_early's own spread up to min_rounds = 8): a recording on a 2-core Zen 5, where a chain
-    round costs 5-9 plain tokens, auto vs plain x0.917 -> x0.969 (per prompt the better of chain
-    and plain: x0.846 -> x0.895); a Xeon's recording, where the chain mostly wins, x1.195 ->
+    (bench/replay_fallback.py; bench/results/fallback_replay*.txt). The pooled spread against
+    z_early's own spread up to min_rounds = 8 (`--pooled-rounds 0`), auto vs plain: a 2-core
+    Zen 5 recording with the pool's old 100 us spin, where a chain round cost 5-9 plain tokens
+    (fallback_rounds_zen5_spin100us.json), x0.919 -> x0.965; the same machine with the 2 ms
+    spin (fallback_rounds.json) x0.973 -> x0.978; a Xeon's (fallback_rounds_xeon.json), where the chain mostly wins, x1.195 ->
     x1.193. Without the early bound the width study's depth-2048 text ran at 0.82 of plain
     decoding, with it 0.88. The plain rate, from the lower quartile of recent plain rounds
     (at least `plain_samples` of them), is kept across requests per context band in the
@@ -317,9 +318,10 @@ class PlainFallback:
             # against 0.45-0.50 for the next ones on the bundled pair at depth 1, and that one
             # sample, taken as the plain cost, kept a fresh request speculating at a loss for
             # 8 rounds. Only plain rounds after plain rounds time plain decoding, and not one
-            # of them alone: the next few are slow too on a VM (2-core Zen 5: 215, 191, 182,
-            # 175 us, then ~170), and one such sample (437 us where plain decoding ran at 357)
-            # kept every request of the band speculating at x0.71 of plain decoding.
+            # of them alone: the next few are slow too on a VM (2-core Zen 5, the pool spinning
+            # 3 ms: 215, 191, 182, 175 us, then ~170), and one such sample (437 us where plain
+            # decoding ran at 357) kept every request of the band speculating at x0.71 of plain
+            # decoding.
             if after_plain:
                 self._plain_times.append(seconds)
                 del self._plain_times[:-16]
