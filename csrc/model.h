@@ -96,6 +96,7 @@ class Forward {
   const ModelWeights& w_;
   int threads_;
   QActs acts_;
+  std::vector<float> rope_cs_;  // this forward's RoPE (cos, sin): [row][rotary_dim / 2][2]
 };
 
 }  // namespace sapwood
