@@ -191,15 +191,20 @@ PYBIND11_MODULE(_core, m) {
     return out;
   }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("inplace") = false,
      "x [n, d] * rsqrt(mean(x^2) + eps) * w, w [d] the scale as applied (1 + the HF weight).");
-  m.def("silu_mul", [](py::handle x_obj, py::object u_obj) {
-    F32 x = as_f32(x_obj, "x", {-1});
-    F32 u;
-    if (!u_obj.is_none()) u = as_f32(u_obj, "u", {x.shape(0)});
-    py::array_t<float> out(x.shape(0));
-    kernels().silu_mul(x.data(), u_obj.is_none() ? nullptr : u.data(), out.mutable_data(),
-                       size_t(x.shape(0)));
-    return out;
-  }, py::arg("x"), py::arg("u") = py::none(), "silu(x) * u (u None: silu(x)), x and u [n].");
+  for (const bool silu : {true, false}) {
+    const char* name = silu ? "silu_mul" : "sigmoid_mul";
+    m.def(name, [silu](py::handle x_obj, py::object u_obj) {
+      F32 x = as_f32(x_obj, "x", {-1});
+      F32 u;
+      if (!u_obj.is_none()) u = as_f32(u_obj, "u", {x.shape(0)});
+      py::array_t<float> out(x.shape(0));
+      (silu ? kernels().silu_mul : kernels().sigmoid_mul)(
+          x.data(), u_obj.is_none() ? nullptr : u.data(), out.mutable_data(), size_t(x.shape(0)));
+      return out;
+    }, py::arg("x"), py::arg("u") = py::none(),
+       silu ? "silu(x) * u (u None: silu(x)), x and u [n]."
+            : "sigmoid(x) * u (u None: sigmoid(x)), x and u [n].");
+  }
 
   m.def("quantize_int8", [](py::handle x_obj) {
     F32 x = as_f32(x_obj, "x", {-1, -1});

@@ -214,7 +214,7 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
                  a, kt.data(), vt.data(), lay.anc.data(), lay.anc_stride, kAttnSplit,
                  1.0f / std::sqrt(float(D))};
   kernels().tree_attention(pb, threads_);
-  for (size_t i = 0; i < att.size(); ++i) att[i] *= sigmoid(gate[i]);
+  kernels().sigmoid_mul(gate.data(), att.data(), att.data(), att.size());
   mm(att.data(), n, {{&L.o, out}});
 }
 

@@ -37,16 +37,24 @@ def test_rms_norm(rng, n, d):
         _core.rms_norm(np.repeat(x, 2, axis=1)[:, ::2], w1, 1e-6, inplace=True)
 
 
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+ACTS = {"silu_mul": silu, "sigmoid_mul": sigmoid}
+
+
+@pytest.mark.parametrize("kernel", sorted(ACTS))
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("n", [1, 8, 13, 29, 864])  # 29: 16 lanes, then 8, then scalar
-def test_silu_mul(rng, n, gated):
+def test_act_mul(rng, n, gated, kernel):
     x = (rng.standard_normal(n) * 4).astype(np.float32)
     u = rng.standard_normal(n).astype(np.float32) if gated else None
-    got = on_every_isa(lambda: _core.silu_mul(x, u))
-    want = silu(x.astype(np.float64)) * (u.astype(np.float64) if gated else 1.0)
+    got = on_every_isa(lambda: getattr(_core, kernel)(x, u))
+    want = ACTS[kernel](x.astype(np.float64)) * (u.astype(np.float64) if gated else 1.0)
     # the canonical exp is within 2 ulp of exp, then a division and a product: a few float32
     # ulps of outputs of size <= 16, so 1e-5 absolute
-    assert_close(got, want, 1e-5, "silu_mul")
+    assert_close(got, want, 1e-5, kernel)
 
 
 @pytest.mark.parametrize("peaked", [False, True])
@@ -105,8 +113,9 @@ def test_small_kernels_check_their_input():
         _core.logsumexp(np.array([1.0, np.nan], np.float32))
     with pytest.raises(ValueError, match="w"):
         _core.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-6)
-    with pytest.raises(ValueError, match="u"):
-        _core.silu_mul(np.ones(4, np.float32), np.ones(5, np.float32))
+    for kernel in ACTS:
+        with pytest.raises(ValueError, match="u"):
+            getattr(_core, kernel)(np.ones(4, np.float32), np.ones(5, np.float32))
 
 
 def test_silu_mul_clamps_agree_on_every_isa():
@@ -118,3 +127,6 @@ def test_silu_mul_clamps_agree_on_every_isa():
     # compared as bits (signed zeros included)
     got = on_every_isa(lambda: _core.silu_mul(x, None).view(np.uint32)).view(np.float32)
     assert (got[x > 20] == x[x > 20]).all()  # 1 + exp(-x) rounds to 1
+    sig = on_every_isa(lambda: _core.sigmoid_mul(x, None).view(np.uint32)).view(np.float32)
+    # exp(-x) is clamped at exp(88.3): far below zero the sigmoid is ~4.5e-39, not 0
+    assert (sig[x > 20] == 1.0).all() and (sig[x < -88] < 1e-38).all()

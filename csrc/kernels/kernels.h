@@ -87,6 +87,8 @@ struct KernelTable {
   // out[i] = silu(x[i]) * u[i] (u null: silu(x[i])), silu from the canonical exp of math.inc;
   // out may alias x or u
   void (*silu_mul)(const float* x, const float* u, float* out, size_t n);
+  // the same with the sigmoid 1 / (1 + exp(-x)) (the attention output gate)
+  void (*sigmoid_mul)(const float* x, const float* u, float* out, size_t n);
   // max(x) + log(sum exp(x - max)), from the canonical exp in a fixed lane order
   double (*logsumexp)(const float* x, size_t n);
   // RMSNorm of n rows of dim (out may alias x): fmaf sum of squares in order, (x * inv) * w
