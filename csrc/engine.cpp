@@ -13,7 +13,8 @@ namespace sapwood {
 
 Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
                int threads, int page_size)
-    : dims_(d), max_context_(max_context), threads_(threads > 0 ? threads : default_threads()) {
+    : dims_(d), max_context_(max_context), threads_(threads > 0 ? threads : default_threads()),
+      fwd_(dims_, weights_, threads_) {
   SW_CHECK(d.vocab > 0 && d.hidden > 0 && d.inter > 0 && d.n_layers() > 0, "bad model dims");
   SW_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
   SW_CHECK(d.n_attn() == 0 || (d.n_heads % d.n_kv_heads == 0 && d.head_dim % 32 == 0),
@@ -76,10 +77,13 @@ std::vector<float> Engine::prefill_chunks(const std::vector<int>& tokens, bool a
     }
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
-    Forward f(dims_, weights_, forward_threads(n));
-    std::vector<float> logits = f.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from);
+    fwd_.set_threads(forward_threads(n));
+    std::vector<float> logits = fwd_.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from);
     seq_->set_length(P + c0 + n);
-    out.insert(out.end(), logits.begin(), logits.end());
+    if (out.empty())
+      out = std::move(logits);  // one chunk (a draft row, a short prompt): no copy
+    else
+      out.insert(out.end(), logits.begin(), logits.end());
   }
   return out;
 }
@@ -104,8 +108,8 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
     lay.row_len.push_back(position() + depth[i] + 1);
   }
   begin_change();
-  Forward f(dims_, weights_, forward_threads(n));
-  std::vector<float> logits = f.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
+  fwd_.set_threads(forward_threads(n));
+  std::vector<float> logits = fwd_.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
   tape_parents_ = parents;
   return logits;
 }
@@ -192,7 +196,8 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   // its GDN tokens follow the restored state as pending ones, as keep_draft's rows do.
   std::vector<GDNLayer::Committed> saved = committed_gdn();
   std::vector<std::vector<GDNLayer::Token>> prefix_gdn(gdn_.size());  // [layer][prefix row]
-  std::vector<float> out(size_t(rows) * V);
+  std::vector<float> out;  // rows appended as they come (not zeroed first: 128 KiB a chain)
+  out.reserve(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
@@ -204,7 +209,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
       draft_tokens_.push_back(tok);
       draft_gdn_.emplace_back();
       for (const GDNLayer& g : gdn_) draft_gdn_.back().push_back(g.token(int(toks.size()) - 1));
-      std::copy(row.begin(), row.end(), out.begin() + size_t(r) * V);
+      out.insert(out.end(), row.begin(), row.end());
       tok = draft_pick(row.data(), V, temperature, seed, uint64_t(R + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);
     }

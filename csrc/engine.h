@@ -92,6 +92,7 @@ class Engine {
   ModelDims dims_;
   ModelWeights weights_;
   int max_context_, threads_;
+  Forward fwd_;  // its activation buffers live as long as the engine
   std::shared_ptr<KVPagePool> pool_;
   std::unique_ptr<KVSequence> seq_;
   std::vector<GDNLayer> gdn_;

@@ -146,10 +146,12 @@ void Forward::mm(const float* x, int n,
 void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out) {
   const LayerWeights& L = w_.layers[l];
   const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
-  std::vector<float> qkv(size_t(n) * C), z(size_t(n) * V), ba(size_t(n) * 2 * hv);
-  mm(h, n, {{&L.qkv, qkv.data()}, {&L.z, z.data()}});
-  mm(h, n, {{&L.ba, ba.data()}});  // f32, always
-  std::vector<float> beta(size_t(n) * hv), gdec(size_t(n) * hv), o(size_t(n) * V);
+  float *qkv = buf(kQKV, size_t(n) * C), *z = buf(kZ, size_t(n) * V);
+  float* ba = buf(kBA, size_t(n) * 2 * hv);
+  mm(h, n, {{&L.qkv, qkv}, {&L.z, z}});
+  mm(h, n, {{&L.ba, ba}});  // f32, always
+  float *beta = buf(kBeta, size_t(n) * hv), *gdec = buf(kDecay, size_t(n) * hv);
+  float* o = buf(kO, size_t(n) * V);
   for (int i = 0; i < n; ++i)
     for (int j = 0; j < hv; ++j) {
       beta[size_t(i) * hv + j] = sigmoid(ba[size_t(i) * 2 * hv + j]);
@@ -157,42 +159,43 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
           L.neg_exp_a[j] * softplus(ba[size_t(i) * 2 * hv + hv + j] + L.dt_bias[j]);
     }
   if (lay.prefill)
-    g.prefill(qkv.data(), gdec.data(), beta.data(), n, o.data(), threads_);
+    g.prefill(qkv, gdec, beta, n, o, threads_);
   else
-    g.verify(qkv.data(), gdec.data(), beta.data(), lay.parents.data(), n, o.data(), threads_);
+    g.verify(qkv, gdec, beta, lay.parents.data(), n, o, threads_);
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
   // (gnorm * (o * inv)) * silu(z) == silu(z) * ((o * inv) * gnorm): products commute, bits
   // unchanged; silu_mul writes the gate's product over the normed o
-  kernels().rms_norm(o.data(), L.gnorm.data(), n * hv, dv, d_.eps, o.data());
-  kernels().silu_mul(z.data(), o.data(), o.data(), o.size());
-  mm(o.data(), n, {{&L.out, out}});
+  kernels().rms_norm(o, L.gnorm.data(), n * hv, dv, d_.eps, o);
+  kernels().silu_mul(z, o, o, size_t(n) * V);
+  mm(o, n, {{&L.out, out}});
 }
 
 void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
                          KVTape& tape, float* out) {
   const LayerWeights& L = w_.layers[l];
   const int n = lay.n, D = d_.head_dim, Hq = d_.n_heads, Hkv = d_.n_kv_heads;
-  std::vector<float> qg(size_t(n) * Hq * 2 * D), q(size_t(n) * Hq * D), gate(size_t(n) * Hq * D);
+  const size_t nq = size_t(n) * Hq * D;
+  float *qg = buf(kQG, 2 * nq), *q = buf(kQ, nq), *gate = buf(kAttGate, nq);
   tape.k.resize(size_t(n) * Hkv * D);
   tape.v.resize(size_t(n) * Hkv * D);
-  mm(h, n, {{&L.q, qg.data()}, {&L.k, tape.k.data()}, {&L.v, tape.v.data()}});
+  mm(h, n, {{&L.q, qg}, {&L.k, tape.k.data()}, {&L.v, tape.v.data()}});
   for (int i = 0; i < n; ++i)
     for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
-      const float* src = qg.data() + (size_t(i) * Hq + hh) * 2 * D;
-      std::copy(src, src + D, q.data() + (size_t(i) * Hq + hh) * D);
-      std::copy(src + D, src + 2 * D, gate.data() + (size_t(i) * Hq + hh) * D);
+      const float* src = qg + (size_t(i) * Hq + hh) * 2 * D;
+      std::copy(src, src + D, q + (size_t(i) * Hq + hh) * D);
+      std::copy(src + D, src + 2 * D, gate + (size_t(i) * Hq + hh) * D);
     }
   // every head of every row in one call each: their norms' chains run side by side (one call
   // per head was ~10% of a 9-node verify's attention layers)
-  kernels().rms_norm(q.data(), L.q_norm.data(), n * Hq, D, d_.eps, q.data());
+  kernels().rms_norm(q, L.q_norm.data(), n * Hq, D, d_.eps, q);
   kernels().rms_norm(tape.k.data(), L.k_norm.data(), n * Hkv, D, d_.eps, tape.k.data());
   const int half = d_.rotary_dim / 2;
   for (int i = 0; i < n; ++i) {
     const float* cs = rope_cs_.data() + size_t(i) * 2 * half;
-    rope(q.data() + size_t(i) * Hq * D, Hq, D, d_.rotary_dim, cs);
+    rope(q + size_t(i) * Hq * D, Hq, D, d_.rotary_dim, cs);
     rope(tape.k.data() + size_t(i) * Hkv * D, Hkv, D, d_.rotary_dim, cs);
   }
-  std::vector<float> kt, vt;
+  float *kt = nullptr, *vt = nullptr;  // the tree rows' keys and values (verify only)
   if (lay.prefill) {
     // The rows are positions hist_len - n .. hist_len - 1, committed as they go: their keys
     // and values are written to pages first and read back from there like any history.
@@ -202,20 +205,20 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
   } else {
     // Tree rows see each other's keys as the cache will hold them: int8-roundtripped.
     const KVDtype dt = seq.pool().dtype();
-    kt.resize(tape.k.size());
-    vt.resize(tape.v.size());
+    kt = buf(kKT, tape.k.size());
+    vt = buf(kVT, tape.v.size());
     for (size_t r = 0; r < size_t(n) * Hkv; ++r) {
-      kv_roundtrip(tape.k.data() + r * D, D, dt, kt.data() + r * D);
-      kv_roundtrip(tape.v.data() + r * D, D, dt, vt.data() + r * D);
+      kv_roundtrip(tape.k.data() + r * D, D, dt, kt + r * D);
+      kv_roundtrip(tape.v.data() + r * D, D, dt, vt + r * D);
     }
   }
-  std::vector<float> att(size_t(n) * Hq * D);
-  AttnProblem pb{n, Hq, Hkv, D, q.data(), att.data(), lay.row_len.data(), lay.hist_len, &seq,
-                 a, kt.data(), vt.data(), lay.anc.data(), lay.anc_stride, kAttnSplit,
+  float* att = buf(kAtt, nq);
+  AttnProblem pb{n, Hq, Hkv, D, q, att, lay.row_len.data(), lay.hist_len, &seq,
+                 a, kt, vt, lay.anc.data(), lay.anc_stride, kAttnSplit,
                  1.0f / std::sqrt(float(D))};
   kernels().tree_attention(pb, threads_);
-  kernels().sigmoid_mul(gate.data(), att.data(), att.data(), att.size());
-  mm(att.data(), n, {{&L.o, out}});
+  kernels().sigmoid_mul(gate, att, att, nq);
+  mm(att, n, {{&L.o, out}});
 }
 
 }  // namespace sapwood
@@ -226,9 +229,10 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
                                 std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape,
                                 int logit_from) {
   const int n = lay.n, H = d_.hidden, I = d_.inter;
-  std::vector<float> x(size_t(n) * H), h(size_t(n) * H), mix(size_t(n) * H);
-  for (int i = 0; i < n; ++i) w_.embed.dequant_row(tokens[i], x.data() + size_t(i) * H);
-  std::vector<float> g(size_t(n) * I), u(size_t(n) * I);
+  const size_t nh = size_t(n) * H, ni = size_t(n) * I;
+  float *x = buf(kX, nh), *h = buf(kH, nh), *mix = buf(kMix, nh);
+  for (int i = 0; i < n; ++i) w_.embed.dequant_row(tokens[i], x + size_t(i) * H);
+  float *g = buf(kGate, ni), *u = buf(kUp, ni);
   // RoPE's (cos, sin) per row and frequency, once a forward rather than per head set and
   // attention layer (in double from the position, as before: the same bits). 36 angle sets of
   // libm pow/cos/sin in a 9-node verify of the bundled target became 9.
@@ -246,24 +250,24 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
   int a = 0, gi = 0;
   for (int l = 0; l < d_.n_layers(); ++l) {
     const LayerWeights& L = w_.layers[l];
-    kernels().rms_norm(x.data(), L.in_norm.data(), n, H, d_.eps, h.data());
+    kernels().rms_norm(x, L.in_norm.data(), n, H, d_.eps, h);
     if (d_.is_attn[l]) {
-      attn_mixer(l, a, h.data(), lay, seq, tape[a], mix.data());
+      attn_mixer(l, a, h, lay, seq, tape[a], mix);
       ++a;
     } else {
-      gdn_mixer(l, gdn[gi++], h.data(), lay, mix.data());
+      gdn_mixer(l, gdn[gi++], h, lay, mix);
     }
-    for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
-    kernels().rms_norm(x.data(), L.post_norm.data(), n, H, d_.eps, h.data());
-    mm(h.data(), n, {{&L.gate, g.data()}, {&L.up, u.data()}});
-    kernels().silu_mul(g.data(), u.data(), g.data(), g.size());
-    mm(g.data(), n, {{&L.down, mix.data()}});
-    for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
+    for (size_t i = 0; i < nh; ++i) x[i] += mix[i];
+    kernels().rms_norm(x, L.post_norm.data(), n, H, d_.eps, h);
+    mm(h, n, {{&L.gate, g}, {&L.up, u}});
+    kernels().silu_mul(g, u, g, ni);
+    mm(g, n, {{&L.down, mix}});
+    for (size_t i = 0; i < nh; ++i) x[i] += mix[i];
   }
   const int m = n - logit_from;
-  kernels().rms_norm(x.data() + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h.data());
+  kernels().rms_norm(x + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h);
   std::vector<float> logits(size_t(m) * d_.vocab);
-  mm(h.data(), m, {{&w_.head(), logits.data()}});
+  mm(h, m, {{&w_.head(), logits.data()}});
   return logits;
 }
 

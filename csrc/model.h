@@ -79,6 +79,9 @@ struct KVTape {
 class Forward {
  public:
   Forward(const ModelDims& d, const ModelWeights& w, int threads) : d_(d), w_(w), threads_(threads) {}
+  Forward(const Forward&) = delete;  // holds its engine's dims and weights by reference
+  Forward& operator=(const Forward&) = delete;
+  void set_threads(int threads) { threads_ = threads; }
   // Runs the rows through every layer. Returns final hidden states after the final norm for
   // rows [logit_from, n) as logits [n - logit_from][V].
   std::vector<float> run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
@@ -95,6 +98,16 @@ class Forward {
   const ModelDims& d_;
   const ModelWeights& w_;
   int threads_;
+  // Activations, kept from one forward to the next (an engine runs one at a time): a forward
+  // allocated ~17 vectors a layer, and malloc, free and the zeroing of fresh memory were ~10% of
+  // a bundled draft row's samples in perf. Every buffer is written in full before it is read.
+  enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate, kKT,
+             kVT, kAtt, kBufs };
+  float* buf(Buf b, size_t n) {
+    if (bufs_[b].size() < n) bufs_[b].resize(n);
+    return bufs_[b].data();
+  }
+  std::vector<float> bufs_[kBufs];
   QActs acts_;
   std::vector<float> rope_cs_;  // this forward's RoPE (cos, sin): [row][rotary_dim / 2][2]
 };
