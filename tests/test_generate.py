@@ -5,7 +5,8 @@ import pytest
 
 import sapwood
 from sapwood.drafters import Lattice, LookupDrafter
-from sapwood.policy import AcceptanceModel, AdmissionEMA, CostModel, PlainFallback, WidthRule
+from sapwood.policy import (AcceptanceModel, AdmissionEMA, CostModel, DraftLength, PlainFallback,
+                            WidthRule)
 from sapwood.testing import make_tiny_checkpoint
 from sapwood.tree import chain, grow
 
@@ -42,6 +43,10 @@ def test_identical_tokens_across_modes(models, drafter, temperature, n_prompt):
         r = target.generate(p, max_tokens=37, temperature=temperature, top_k=50, seed=5,
                             drafter=d, verify=verify, width=width)
         runs[(verify, width)] = r
+    for verify in ("chain", "auto"):  # the fixed draft length as well as the adaptive one
+        runs[(verify, "rows=8")] = target.generate(p, max_tokens=37, temperature=temperature,
+                                                   top_k=50, seed=5, drafter=d, verify=verify,
+                                                   adapt_rows=False)
     base = runs[("off", None)].tokens
     assert len(base) == 37
     for key, r in runs.items():
@@ -288,6 +293,7 @@ def test_width_rule_explores_near_the_best_only():
     (dict(verify="sideways"), "verify"),
     (dict(width=0), "width"),
     (dict(stop=[""]), "stop"),
+    (dict(adapt_rows="yes"), "adapt_rows"),
 ])
 def test_bad_input(models, kwargs, match):
     target, _ = models
@@ -666,3 +672,29 @@ def test_width_rule_state_is_per_drafter(models):
     assert model_rule.acceptance.offered.sum() > 0
     assert target.width_rule(target.resolve_drafter(root / "draft")) is model_rule
     assert lookup_rule.acceptance.offered.sum() == lookup_seen  # and the other way round
+
+
+def test_draft_length_follows_what_the_draft_keeps():
+    """Rounds that keep every row stay at the most rows; rounds that keep none of 8, with a
+    draft row and a verified node costing as much as a third of the rest of the round, go to
+    one row; a short round that keeps all its rows lengthens the next by two."""
+    dl = DraftLength(max_rows=8)
+    assert dl.rows(verify_slope=0.0) == 8  # nothing measured yet
+    for _ in range(6):
+        dl.observe(8, 8, draft_s=8 * 50e-6, round_s=8 * 50e-6 + 8 * 50e-6 + 300e-6,
+                   verify_slope=50e-6)
+    assert abs(dl.fixed_s - 300e-6) < 1e-9 and abs(dl.draft_row_s - 50e-6) < 1e-12
+    assert dl.rows(50e-6) == 8
+    bad = DraftLength(max_rows=8)
+    for _ in range(6):
+        bad.observe(8, 0, draft_s=8 * 50e-6, round_s=8 * 100e-6 + 300e-6, verify_slope=50e-6)
+    assert bad.survival()[0] < 0.3
+    assert bad.rows(50e-6) == 1
+    bad.observe(1, 1, draft_s=50e-6, round_s=400e-6, verify_slope=50e-6)
+    assert bad.rows(50e-6) == 3  # the model alone would stay at 1
+    # survival: row j's factor comes from the rounds that drafted it with rows 1..j-1 kept
+    km = DraftLength(max_rows=3, prior=0.0)
+    for drafted, kept in [(3, 3), (3, 1), (3, 0), (2, 2)]:
+        km.observe(drafted, kept, 1e-4, 1e-3, 0.0)
+    s = km.survival()
+    assert s[0] == 3 / 4 and s[1] == s[0] * 2 / 3 and s[2] == s[1] * 1 / 1

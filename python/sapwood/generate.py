@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from . import tree as trees
-from .policy import AdmissionEMA, WidthRule
+from .policy import AdmissionEMA, DraftLength, WidthRule
 from .sampling import SamplingParams, apply_penalties, sample
 
 VERIFY_MODES = ("off", "chain", "tree", "auto")
@@ -72,7 +72,8 @@ class DecodeConfig:
     params: SamplingParams = field(default_factory=SamplingParams)
     verify: str = "auto"
     width: int | None = None     # tree: fixed width; auto: largest width considered
-    rows: int = 8                # lattice rows drafted per cycle
+    rows: int = 8                # lattice rows drafted per cycle (the most, with adapt_rows)
+    adapt_rows: bool = True      # chain and auto: fewer rows while the draft keeps few (DraftLength)
     stop_ids: tuple = ()
 
     def validate(self):
@@ -82,6 +83,8 @@ class DecodeConfig:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if self.width is not None and not 1 <= int(self.width) <= 64:
             raise ValueError(f"width must be in [1, 64], got {self.width!r}")
+        if not isinstance(self.adapt_rows, bool):
+            raise ValueError(f"adapt_rows must be a bool, got {self.adapt_rows!r}")
         if not 1 <= self.rows <= 32:
             raise ValueError(f"rows must be in [1, 32], got {self.rows!r}")
         self.params.validate()
@@ -103,6 +106,8 @@ class Decoder:
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule()
+        self.draft_len = DraftLength(max_rows=cfg.rows)
+        self._drafted = (0, 0.0)  # this round's draft: rows, seconds
         self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self._behind = 0              # how many tokens that is
@@ -145,12 +150,16 @@ class Decoder:
     def _build(self, root: int, mode: str, room: int):
         """This round's tree, whether it is wide, and its logits when they were already
         computed (a calibration round), else None."""
-        rows = min(self.cfg.rows, room - 1)
+        rows = self.cfg.rows
+        if self.cfg.adapt_rows and mode != "tree":
+            rows = self.draft_len.rows(self._verify_slope())
+        rows = min(rows, room - 1)
         if rows <= 0:
             return _root_tree(root), False, None
         self._catch_up()
         t0 = time.perf_counter()
         lattice = self.drafter.draft(self.context, root, rows)
+        self._drafted = (rows, time.perf_counter() - t0)
         if mode == "chain":
             return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
@@ -262,6 +271,10 @@ class Decoder:
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, ctx, self.verify_s)
                 if mode not in ("off", "plain"):
+                    if not first_round and self._drafted[0]:
+                        self.draft_len.observe(self._drafted[0], len(path) - 1, self._drafted[1],
+                                               round_s - catch_up_s, self._verify_slope())
+                    self._drafted = (0, 0.0)
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
                     self.rule.observe_round(tree.is_chain, len(path),
@@ -279,6 +292,12 @@ class Decoder:
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
             st.decode_s = time.perf_counter() - t_start - st.draft_prefill_s
+
+    def _verify_slope(self) -> float:
+        """The cost model's seconds per verified node at this context; 0 until it has timed two
+        widths (its prior slope, a guess, would shorten drafts before anything is measured)."""
+        ctx = self.engine.position
+        return self.rule.cost.verify_line(ctx)[1] if self.rule.cost.calibrated(ctx) else 0.0
 
     def _catch_up(self) -> None:
         """Give the drafter what it has not seen (the prompt, the tokens of plain rounds), in

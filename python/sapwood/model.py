@@ -107,10 +107,12 @@ class Model:
 
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                 drafter=None, verify="auto", width=None, rows=8, stop=None, stream=False,
-                 cache_prompt=False, on_round=None):
+                 drafter=None, verify="auto", width=None, rows=8, adapt_rows=True, stop=None,
+                 stream=False, cache_prompt=False, on_round=None):
         """Generate from `prompt` (text, token ids, or chat messages when the checkpoint has a
         chat template). Output is identical for every verify mode, width and drafter.
+        rows: draft rows per round; with adapt_rows (chain and auto) the most, fewer while the
+        draft keeps few of them.
 
         Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
         generator yielding token ids as they are committed, then the result via StopIteration.
@@ -127,7 +129,7 @@ class Model:
                                 frequency_penalty=frequency_penalty)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         cfg = DecodeConfig(max_tokens=max_tokens, params=params, verify=verify, width=width,
-                           rows=rows, stop_ids=self.eos_ids()).validate()
+                           rows=rows, adapt_rows=adapt_rows, stop_ids=self.eos_ids()).validate()
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         d = None if verify == "off" else self.resolve_drafter(drafter)

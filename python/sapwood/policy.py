@@ -1,5 +1,5 @@
-"""Speculation policy: the plain fallback (draft at all?), the admission EMA (chain or wide?)
-and the width rule (how wide?).
+"""Speculation policy: the plain fallback (draft at all?), the draft length (how deep?), the
+admission EMA (chain or wide?) and the width rule (how wide?).
 
 Plain fallback (PlainFallback, an addition to DESIGN.md): each request drafts until an
 optimistic bound of its speculative rounds' tokens per second falls below plain rounds', then
@@ -188,6 +188,81 @@ class AcceptanceModel:
         for i in range(1, tree.width):
             reach.append(reach[parents[i]] * ch[i - 1])
         return np.cumsum(reach)
+
+
+class DraftLength:
+    """How many lattice rows a request drafts (an addition to DESIGN.md's fixed R, which
+    stays the maximum). Each draft row costs a draft forward and a verified node, and a row
+    after the first wrong one is wasted; a prompt where the draft keeps 2 rows of 8 paid for
+    6 more every round. Per request: the chance that row r is kept is a survival estimate over
+    the request's recent rounds (Kaplan-Meier: row j's hazard is the rounds rejected at j over
+    those that drafted j with rows 1..j-1 kept), with `prior` pseudo-rounds keeping each row at
+    `prior_keep`; then E(R) = 1 + sum_{r<=R} S(r) and a round costs fixed + R * per_row
+    (per_row: the measured draft time per row plus the cost model's verify slope; fixed: the
+    rest of the round). R maximises E(R) / cost(R). Rows never drafted lately take the pooled
+    keep rate, and a round that kept all its rows lengthens the next by two. Speed only: any
+    R gives the same output."""
+
+    def __init__(self, max_rows: int = 8, window: int = 16, prior: float = 2.0,
+                 prior_keep: float = 0.8):
+        self.max_rows, self.window = int(max_rows), window
+        self.prior, self.prior_keep = prior, prior_keep
+        self._rounds: list[tuple[int, int]] = []  # (rows drafted, rows kept), recent
+        self.draft_row_s = None   # seconds per draft row (decayed)
+        self.fixed_s = None       # a round's time less its draft and its verified draft rows
+
+    def observe(self, drafted: int, kept: int, draft_s: float, round_s: float,
+                verify_slope: float) -> None:
+        """A speculative round drafted `drafted` rows, committed `kept` of them, spent
+        `draft_s` drafting and `round_s` in all (catch-ups excluded)."""
+        if drafted <= 0:
+            return
+        self._rounds.append((int(drafted), int(kept)))
+        del self._rounds[:-self.window]
+        per = draft_s / drafted
+        self.draft_row_s = per if self.draft_row_s is None else self.draft_row_s + 0.2 * (per - self.draft_row_s)
+        fixed = max(round_s - draft_s - verify_slope * drafted, 0.0)
+        self.fixed_s = fixed if self.fixed_s is None else self.fixed_s + 0.2 * (fixed - self.fixed_s)
+
+    def keep_rate(self) -> float:
+        """The pooled chance that a drafted row is kept given the one before it was: kept rows
+        over kept rows plus rejections, with `prior` pseudo-rows at prior_keep."""
+        kept = sum(k for _, k in self._rounds)
+        rejected = sum(1 for d, k in self._rounds if k < d)
+        return (kept + self.prior * self.prior_keep) / (kept + rejected + self.prior)
+
+    def survival(self) -> list[float]:
+        """S(r) for r = 1..max_rows: the estimated chance that rows 1..r are all kept. Each
+        row's factor shrinks toward the pooled keep rate, which alone prices rows not drafted
+        lately: with a fixed prior there, a prompt whose draft kept 97% of its rows, once
+        shortened by a rejection, stayed short (its rows past R were priced at the prior)."""
+        out, s, pooled = [], 1.0, self.keep_rate()
+        for j in range(1, self.max_rows + 1):
+            reached = sum(1 for d, k in self._rounds if d >= j and k >= j - 1)
+            rejected = sum(1 for d, k in self._rounds if d >= j and k == j - 1)
+            s *= (reached - rejected + self.prior * pooled) / (reached + self.prior)
+            out.append(s)
+        return out
+
+    def rows(self, verify_slope: float) -> int:
+        """The rows to draft this round (max_rows until both costs are measured)."""
+        if self.draft_row_s is None or self.fixed_s is None or not self._rounds:
+            return self.max_rows
+        per_row = self.draft_row_s + verify_slope
+        best, best_rate, e = self.max_rows, -1.0, 1.0
+        for r, s in enumerate(self.survival(), start=1):
+            e += s
+            rate = e / (self.fixed_s + per_row * r)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = r, rate
+        # A round that kept every row it drafted says nothing of the rows past it, whose
+        # estimate may be one old rejection: lengthen by two (as Hugging Face's assisted
+        # generation does), so a prompt the draft follows gets its depth back in a few rounds.
+        # Without it, one early rejection at row 3 kept code-docstring at 2 rows for 16 rounds.
+        drafted, kept = self._rounds[-1]
+        if kept == drafted:
+            best = max(best, min(self.max_rows, drafted + 2))
+        return best
 
 
 class PlainFallback:

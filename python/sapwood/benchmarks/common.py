@@ -31,6 +31,8 @@ def parse_arm(spec: str) -> dict:
 def _value(v: str):
     if v.lower() == "none":
         return None
+    if v.lower() in ("true", "false"):  # adapt_rows=false
+        return v.lower() == "true"
     for cast in (int, float):
         try:
             return cast(v)
