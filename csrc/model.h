@@ -100,7 +100,8 @@ class Forward {
   int threads_;
   // Activations, kept from one forward to the next (an engine runs one at a time): a forward
   // allocated ~17 vectors a layer, and malloc, free and the zeroing of fresh memory were ~10% of
-  // a bundled draft row's samples in perf. Every buffer is written in full before it is read.
+  // a bundled draft row's samples in perf (callgrind, 20 drafts of 8 rows: 139.5M -> 136.8M
+  // instructions). Every buffer is written in full before it is read.
   enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate, kKT,
              kVT, kAtt, kBufs };
   float* buf(Buf b, size_t n) {

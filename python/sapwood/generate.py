@@ -73,7 +73,7 @@ class DecodeConfig:
     verify: str = "auto"
     width: int | None = None     # tree: fixed width; auto: largest width considered
     rows: int = 8                # lattice rows drafted per cycle (the most, with adapt_rows)
-    adapt_rows: bool = True      # chain and auto: fewer rows while the draft keeps few (DraftLength)
+    adapt_rows: bool = True      # chain, auto: fewer rows while the draft keeps few (DraftLength)
     stop_ids: tuple = ()
 
     def validate(self):

@@ -219,10 +219,10 @@ class DraftLength:
             return
         self._rounds.append((int(drafted), int(kept)))
         del self._rounds[:-self.window]
-        per = draft_s / drafted
-        self.draft_row_s = per if self.draft_row_s is None else self.draft_row_s + 0.2 * (per - self.draft_row_s)
-        fixed = max(round_s - draft_s - verify_slope * drafted, 0.0)
-        self.fixed_s = fixed if self.fixed_s is None else self.fixed_s + 0.2 * (fixed - self.fixed_s)
+        def ema(old, new):
+            return new if old is None else old + 0.2 * (new - old)
+        self.draft_row_s = ema(self.draft_row_s, draft_s / drafted)
+        self.fixed_s = ema(self.fixed_s, max(round_s - draft_s - verify_slope * drafted, 0.0))
 
     def keep_rate(self) -> float:
         """The pooled chance that a drafted row is kept given the one before it was: kept rows
@@ -236,11 +236,17 @@ class DraftLength:
         row's factor shrinks toward the pooled keep rate, which alone prices rows not drafted
         lately: with a fixed prior there, a prompt whose draft kept 97% of its rows, once
         shortened by a rejection, stayed short (its rows past R were priced at the prior)."""
-        out, s, pooled = [], 1.0, self.keep_rate()
-        for j in range(1, self.max_rows + 1):
-            reached = sum(1 for d, k in self._rounds if d >= j and k >= j - 1)
-            rejected = sum(1 for d, k in self._rounds if d >= j and k == j - 1)
-            s *= (reached - rejected + self.prior * pooled) / (reached + self.prior)
+        m = self.max_rows
+        reached, rejected = [0] * (m + 2), [0] * (m + 2)
+        for d, k in self._rounds:  # one pass (this runs every round): rows 1..min(d, k+1) drafted
+            reached[min(d, k + 1, m) + 1] -= 1  # with the rows before them kept (a difference
+            reached[1] += 1                      # array), and row k+1 rejected when k < d
+            if k < d and k < m:
+                rejected[k + 1] += 1
+        out, s, pooled, n = [], 1.0, self.keep_rate(), 0
+        for j in range(1, m + 1):
+            n += reached[j]
+            s *= (n - rejected[j] + self.prior * pooled) / (n + self.prior)
             out.append(s)
         return out
 
