@@ -697,7 +697,7 @@ def test_draft_length_follows_what_the_draft_keeps():
     for drafted, kept in [(3, 3), (3, 1), (3, 0), (2, 2)]:
         km.observe(drafted, kept, 1e-4, 1e-3, 0.0)
     s = km.survival()
-    assert s[0] == 3 / 4 and s[1] == s[0] * (2 / 3) and s[2] == s[1] * (1 / 1)
+    assert s[0] == 3 / 4 and s[1] == s[0] * (2 / 3) and s[2] == s[1]
     # the same counts in the hand-written form (each row's reached / rejected over the rounds)
     for j in range(1, 4):
         reached = sum(1 for d, k in km._rounds if d >= j and k >= j - 1)

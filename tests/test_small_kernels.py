@@ -5,7 +5,7 @@ import pytest
 
 from sapwood import _core
 from sapwood.reference.gdn import silu
-from sapwood.reference.model import rms_norm
+from sapwood.reference.model import rms_norm, sigmoid
 from sapwood.reference.ranking import logsumexp
 from util import ISAS, assert_close, isa
 
@@ -35,10 +35,6 @@ def test_rms_norm(rng, n, d):
     assert _core.rms_norm(y, w1, 1e-6, inplace=True) is y and (y == got).all()
     with pytest.raises(ValueError, match="inplace"):  # a strided view has no buffer to write
         _core.rms_norm(np.repeat(x, 2, axis=1)[:, ::2], w1, 1e-6, inplace=True)
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-x))
 
 
 ACTS = {"silu_mul": silu, "sigmoid_mul": sigmoid}
