@@ -52,19 +52,21 @@ std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows
   begin_change();
   seq_->reserve(P + T);
   // A failure part-way (non-finite activations) must not leave some layers advanced.
-  const std::vector<GDNLayer::Committed> saved = committed_gdn();
+  save_gdn();
   try {
-    return prefill_chunks(tokens, all_rows, P);
+    std::vector<float> logits;
+    prefill_chunks(tokens, all_rows, P, &logits);
+    return logits;
   } catch (...) {
-    restore_gdn(saved);
+    restore_gdn();
     seq_->truncate(P);
     throw;
   }
 }
 
-std::vector<float> Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P) {
+void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P,
+                            std::vector<float>* out) {
   const int T = int(tokens.size());
-  std::vector<float> out;
   for (int c0 = 0; c0 < T; c0 += kPrefillChunk) {
     const int n = std::min(kPrefillChunk, T - c0);
     BatchLayout lay;
@@ -78,14 +80,9 @@ std::vector<float> Engine::prefill_chunks(const std::vector<int>& tokens, bool a
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
     fwd_.set_threads(forward_threads(n));
-    std::vector<float> logits = fwd_.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from);
+    fwd_.run(tokens.data() + c0, lay, *seq_, gdn_, tape_, from, out);
     seq_->set_length(P + c0 + n);
-    if (out.empty())
-      out = std::move(logits);  // one chunk (a draft row, a short prompt): no copy
-    else
-      out.insert(out.end(), logits.begin(), logits.end());
   }
-  return out;
 }
 
 std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
@@ -109,7 +106,8 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
   }
   begin_change();
   fwd_.set_threads(forward_threads(n));
-  std::vector<float> logits = fwd_.run(tokens.data(), lay, *seq_, gdn_, tape_, 0);
+  std::vector<float> logits;
+  fwd_.run(tokens.data(), lay, *seq_, gdn_, tape_, 0, &logits);
   tape_parents_ = parents;
   return logits;
 }
@@ -194,33 +192,39 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   // K/V. Every row's GDN token is kept too: keep_draft() adopts the rows the target then
   // commits as pending tokens instead of prefilling them again. The prefix stays committed:
   // its GDN tokens follow the restored state as pending ones, as keep_draft's rows do.
-  std::vector<GDNLayer::Committed> saved = committed_gdn();
-  std::vector<std::vector<GDNLayer::Token>> prefix_gdn(gdn_.size());  // [layer][prefix row]
+  save_gdn();
+  std::vector<std::vector<GDNLayer::Token>> prefix_gdn(np > 0 ? gdn_.size() : 0);  // [layer][row]
   std::vector<float> out;  // rows appended as they come (not zeroed first: 128 KiB a chain)
   out.reserve(size_t(rows) * V);
+  // The per-row GDN tokens reuse the last chain's buffers (begin_change() only empties
+  // draft_tokens_): a chain allocated 5 vectors a row and GDN layer.
+  if (draft_gdn_.size() < size_t(rows)) draft_gdn_.resize(rows);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       std::vector<int> toks = r == 0 ? prefix : std::vector<int>{};
       toks.push_back(tok);
-      const std::vector<float> row = prefill_chunks(toks, false, r == 0 ? P : R + r);
-      for (size_t l = 0; r == 0 && l < gdn_.size(); ++l)
-        for (int i = 0; i < np; ++i) prefix_gdn[l].push_back(gdn_[l].token(i));
+      prefill_chunks(toks, false, r == 0 ? P : R + r, &out);
+      for (size_t l = 0; r == 0 && l < prefix_gdn.size(); ++l) {
+        prefix_gdn[l].resize(np);
+        for (int i = 0; i < np; ++i) gdn_[l].token(i, &prefix_gdn[l][i]);
+      }
       draft_tokens_.push_back(tok);
-      draft_gdn_.emplace_back();
-      for (const GDNLayer& g : gdn_) draft_gdn_.back().push_back(g.token(int(toks.size()) - 1));
-      out.insert(out.end(), row.begin(), row.end());
-      tok = draft_pick(row.data(), V, temperature, seed, uint64_t(R + r + 1), kDraftSampleTop);
+      draft_gdn_[r].resize(gdn_.size());
+      for (size_t l = 0; l < gdn_.size(); ++l)
+        gdn_[l].token(int(toks.size()) - 1, &draft_gdn_[r][l]);
+      tok = draft_pick(out.data() + size_t(r) * V, V, temperature, seed, uint64_t(R + r + 1),
+                       kDraftSampleTop);
       if (chain) chain->push_back(tok);
     }
   } catch (...) {
     begin_change();
-    restore_gdn(saved);
+    restore_gdn();
     seq_->truncate(P);
     throw;
   }
-  restore_gdn(std::move(saved));
-  for (size_t l = 0; np > 0 && l < gdn_.size(); ++l) {
+  restore_gdn();
+  for (size_t l = 0; l < prefix_gdn.size(); ++l) {
     std::vector<const GDNLayer::Token*> rows_l(np);
     for (int i = 0; i < np; ++i) rows_l[i] = &prefix_gdn[l][i];
     gdn_[l].append_pending(rows_l.data(), np, threads_);
@@ -247,8 +251,7 @@ int Engine::keep_draft(const std::vector<int>& tokens) {
 
 void Engine::begin_change() {
   tape_parents_.clear();
-  draft_tokens_.clear();
-  draft_gdn_.clear();
+  draft_tokens_.clear();  // draft_gdn_ keeps its buffers for the next chain
 }
 
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
@@ -271,14 +274,13 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
   }
 }
 
-std::vector<GDNLayer::Committed> Engine::committed_gdn() const {
-  std::vector<GDNLayer::Committed> c;
-  for (const GDNLayer& g : gdn_) c.push_back(g.committed());
-  return c;
+void Engine::save_gdn() {
+  saved_gdn_.resize(gdn_.size());
+  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].save(&saved_gdn_[i]);
 }
 
-void Engine::restore_gdn(std::vector<GDNLayer::Committed> c) {
-  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].restore(std::move(c[i]));
+void Engine::restore_gdn() {
+  for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].restore(&saved_gdn_[i]);
 }
 
 void Engine::reset() {

@@ -49,10 +49,17 @@ void GDNLayer::reset() {
   tape_n_ = 0;
 }
 
-void GDNLayer::restore(Committed c) {
-  S_ = std::move(c.S), window_ = std::move(c.window), pk_ = std::move(c.pk);
-  pv_ = std::move(c.pv), pg_ = std::move(c.pg), pbeta_ = std::move(c.pbeta);
-  n_pending_ = c.n_pending;
+void GDNLayer::save(Committed* c) const {
+  c->S.assign(S_.begin(), S_.end()), c->window.assign(window_.begin(), window_.end());
+  c->pk.assign(pk_.begin(), pk_.end()), c->pv.assign(pv_.begin(), pv_.end());
+  c->pg.assign(pg_.begin(), pg_.end()), c->pbeta.assign(pbeta_.begin(), pbeta_.end());
+  c->n_pending = n_pending_;
+}
+
+void GDNLayer::restore(Committed* c) {
+  S_.swap(c->S), window_.swap(c->window), pk_.swap(c->pk);
+  pv_.swap(c->pv), pg_.swap(c->pg), pbeta_.swap(c->pbeta);
+  n_pending_ = c->n_pending;
   tape_n_ = 0;
 }
 
@@ -127,13 +134,13 @@ void GDNLayer::slide_window(const std::vector<const float*>& rows) {
   // the last K-1 rows of [window rows..., rows...], copied once (commits and the draft's
   // keep_draft run this every round; it used to build the whole sequence first)
   const int C = dims_.channels(), W = dims_.conv_k - 1, m = int(rows.size());
-  std::vector<float> next(size_t(W) * C);
+  window_next_.resize(size_t(W) * C);
   for (int w = 0; w < W; ++w) {
     const int src = m - W + w;  // < 0: a row of the old window
     const float* p = src >= 0 ? rows[src] : window_.data() + size_t(W + src) * C;
-    std::copy(p, p + C, next.begin() + size_t(w) * C);
+    std::copy(p, p + C, window_next_.begin() + size_t(w) * C);
   }
-  window_.swap(next);
+  window_.swap(window_next_);
 }
 
 void GDNLayer::commit(const std::vector<int>& path, int threads) {
@@ -154,23 +161,23 @@ void GDNLayer::commit(const std::vector<int>& path, int threads) {
   if (n_pending_ > max_pending_) fold_oldest(n_pending_ - max_pending_, threads);
 }
 
-GDNLayer::Token GDNLayer::token(int i) const {
+void GDNLayer::token(int i, Token* t) const {
   const GDNDims& d = dims_;
   SW_CHECK(!g_.empty(), "token before any prefill");
   const int n = int(g_.size()) / d.hv, C = d.channels(), W = d.conv_k - 1;
   SW_CHECK(i >= 0 && i < n && (W == 0 || n - i <= W), "GDN token ", i, " of ", n,
            " rows: its conv input has left the window");
   const size_t kq = size_t(d.hk) * d.dk, vv = size_t(d.hv) * d.dv;
-  Token t;
-  t.k.assign(k_.begin() + kq * i, k_.begin() + kq * (i + 1));
-  t.v.assign(v_.begin() + vv * i, v_.begin() + vv * (i + 1));
-  t.g.assign(g_.begin() + size_t(d.hv) * i, g_.begin() + size_t(d.hv) * (i + 1));
-  t.beta.assign(beta_.begin() + size_t(d.hv) * i, beta_.begin() + size_t(d.hv) * (i + 1));
+  t->k.assign(k_.begin() + kq * i, k_.begin() + kq * (i + 1));
+  t->v.assign(v_.begin() + vv * i, v_.begin() + vv * (i + 1));
+  t->g.assign(g_.begin() + size_t(d.hv) * i, g_.begin() + size_t(d.hv) * (i + 1));
+  t->beta.assign(beta_.begin() + size_t(d.hv) * i, beta_.begin() + size_t(d.hv) * (i + 1));
   if (W > 0) {  // prefill slid it in: row W - (n - i) of the window
     const auto row = window_.begin() + size_t(W - (n - i)) * C;
-    t.x.assign(row, row + C);
+    t->x.assign(row, row + C);
+  } else {
+    t->x.clear();
   }
-  return t;
 }
 
 void GDNLayer::append_pending(const Token* const* tokens, int m, int threads) {

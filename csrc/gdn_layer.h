@@ -33,8 +33,10 @@ class GDNLayer {
     std::vector<float> S, window, pk, pv, pg, pbeta;
     int n_pending = 0;
   };
-  Committed committed() const { return {S_, window_, pk_, pv_, pg_, pbeta_, n_pending_}; }
-  void restore(Committed c);
+  // save copies into *c's buffers (no allocation once they have grown); restore swaps them
+  // in, leaving *c with buffers to save into next time.
+  void save(Committed* c) const;
+  void restore(Committed* c);
 
   // One token as the pending tape holds it, with its conv input: what a draft chain keeps per
   // row (a few KiB against the whole state), so that adopting its first rows appends them as
@@ -42,8 +44,9 @@ class GDNLayer {
   struct Token {
     std::vector<float> k, v, g, beta, x;
   };
-  // After prefill: its row i, whose conv input must still be in the window (the last K-1 rows)
-  Token token(int i) const;
+  // After prefill: its row i, whose conv input must still be in the window (the last K-1
+  // rows), copied into *t's buffers.
+  void token(int i, Token* t) const;
   // Commit tokens as pending (after restore() to the state they followed); bitwise the state
   // prefill of the same tokens leaves, as folding a pending token is the chain's recurrence.
   void append_pending(const Token* const* tokens, int m, int threads);
@@ -72,6 +75,7 @@ class GDNLayer {
   int max_pending_;
   std::vector<float> conv_w_t_;             // [K][C]
   std::vector<float> S_, window_;           // committed
+  std::vector<float> window_next_;          // slide_window's scratch
   std::vector<float> pk_, pv_, pg_, pbeta_; // pending tape, max_pending (+ tree) tokens
   int n_pending_ = 0;
   // tape of the last verify

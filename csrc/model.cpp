@@ -225,9 +225,9 @@ void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, K
 
 namespace sapwood {
 
-std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
-                                std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape,
-                                int logit_from) {
+void Forward::run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
+                  std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from,
+                  std::vector<float>* logits) {
   const int n = lay.n, H = d_.hidden, I = d_.inter;
   const size_t nh = size_t(n) * H, ni = size_t(n) * I;
   float *x = buf(kX, nh), *h = buf(kH, nh), *mix = buf(kMix, nh);
@@ -265,9 +265,9 @@ std::vector<float> Forward::run(const int* tokens, const BatchLayout& lay, KVSeq
   }
   const int m = n - logit_from;
   kernels().rms_norm(x + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h);
-  std::vector<float> logits(size_t(m) * d_.vocab);
-  mm(h, m, {{&w_.head(), logits.data()}});
-  return logits;
+  const size_t at = logits->size();
+  logits->resize(at + size_t(m) * d_.vocab);
+  mm(h, m, {{&w_.head(), logits->data() + at}});
 }
 
 }  // namespace sapwood

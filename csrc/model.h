@@ -82,10 +82,10 @@ class Forward {
   Forward(const Forward&) = delete;  // holds its engine's dims and weights by reference
   Forward& operator=(const Forward&) = delete;
   void set_threads(int threads) { threads_ = threads; }
-  // Runs the rows through every layer. Returns final hidden states after the final norm for
-  // rows [logit_from, n) as logits [n - logit_from][V].
-  std::vector<float> run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
-                         std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from);
+  // Runs the rows through every layer and appends the logits of rows [logit_from, n)
+  // ([n - logit_from][V]) to *logits: a draft chain collects its rows in one buffer.
+  void run(const int* tokens, const BatchLayout& lay, KVSequence& seq, std::vector<GDNLayer>& gdn,
+           std::vector<KVTape>& tape, int logit_from, std::vector<float>* logits);
 
  private:
   // y = x W^T for each (W, y): matrices that read the same x share one parallel region
