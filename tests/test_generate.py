@@ -131,6 +131,39 @@ def lattice(rows=6, k=4, seed=0):
     return lat
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_walk_follows_the_targets_pick_at_every_node(seed):
+    """The decoder's greedy walk (one argmax call for all nodes) against the sampler's greedy
+    pick made node by node: the same path and picks; NaN logits rejected."""
+    from sapwood.generate import DecodeConfig, Decoder
+    from sapwood.sampling import sample
+    rng = np.random.default_rng(seed)
+    lat = lattice(seed=seed)
+    tree = grow(7, lat, 12)
+    logits = rng.standard_normal((tree.width, 1000)).astype(np.float32)
+    node = 0
+    for _ in range(int(rng.integers(0, 6))):  # make a random path of children the picks
+        kids = np.flatnonzero(tree.parents == node)
+        if kids.size == 0:
+            break
+        node = int(rng.choice(kids))
+        logits[tree.parents[node], tree.tokens[node]] = 10.0
+    want_path, want_picks, node = [0], [], 0
+    while True:
+        want_picks.append(sample(logits[node], 0, temperature=0.0))
+        kids = [c for c in np.flatnonzero(tree.parents == node) if tree.tokens[c] == want_picks[-1]]
+        if not kids:
+            break
+        node = int(kids[0])
+        want_path.append(node)
+    dec = Decoder.__new__(Decoder)  # _walk needs only the config
+    dec.cfg = DecodeConfig()
+    assert dec._walk(tree, logits) == (want_path, want_picks)
+    logits[want_path[-1], 3] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        dec._walk(tree, logits)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_prefix_property_and_best_first_order(seed):
     lat = lattice(seed=seed)
