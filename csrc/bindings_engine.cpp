@@ -106,11 +106,14 @@ void bind_engine(py::module_& m) {
            },
            py::arg("tokens"), py::arg("parents"),
            "Logits [N, V] of a tree; node 0 is the root at the current position.")
-      .def("commit", [](Engine& e, py::handle path) {
+      .def("commit", [](Engine& e, py::handle path, bool fold_in_background) {
              std::vector<int> p = as_ints(path, "path");
              py::gil_scoped_release release;
-             e.commit(p);
-           }, py::arg("path"))
+             e.commit(p, fold_in_background);
+           }, py::arg("path"), py::arg("fold_in_background") = false,
+           "Commit a path of the last verify's tree (node indices from the root). "
+           "fold_in_background: fold its GDN steps on a pool worker while the caller goes on "
+           "(e.g. drafts); the next call touching that state waits. Same results either way.")
       .def("draft_chain", [](Engine& e, int root, int rows, double temperature, uint64_t seed,
                              py::handle prefix) {
              const std::vector<int> pre = as_ints(prefix, "prefix");

@@ -37,6 +37,19 @@ Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv,
   tape_.resize(d.n_attn());
 }
 
+Engine::~Engine() {
+  try {
+    join_fold();
+  } catch (...) {  // a failed fold leaves nothing to clean up
+  }
+}
+
+void Engine::join_fold() const {
+  if (!fold_running_) return;
+  fold_running_ = false;
+  wait_background();
+}
+
 void Engine::check_tokens(const std::vector<int>& tokens) const {
   SW_CHECK(!tokens.empty(), "no tokens given");
   for (size_t i = 0; i < tokens.size(); ++i)
@@ -45,6 +58,7 @@ void Engine::check_tokens(const std::vector<int>& tokens) const {
 }
 
 std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows) {
+  join_fold();
   check_tokens(tokens);
   const int P = position(), T = int(tokens.size());
   SW_CHECK(P + T <= max_context_, "context full: ", P, " committed + ", T, " new tokens > max_context ",
@@ -86,6 +100,7 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
 }
 
 std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
+  join_fold();
   SW_CHECK(tokens.size() == parents.size(), "tokens (", tokens.size(), ") and parents (",
            parents.size(), ") differ in length");
   check_tokens(tokens);
@@ -112,7 +127,8 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
   return logits;
 }
 
-void Engine::commit(const std::vector<int>& path) {
+void Engine::commit(const std::vector<int>& path, bool fold_in_background) {
+  join_fold();
   SW_CHECK(!tape_parents_.empty(), "commit without a preceding verify");
   check_path(tape_parents_.data(), int(tape_parents_.size()), path);
   const int P = position(), m = int(path.size());
@@ -125,6 +141,12 @@ void Engine::commit(const std::vector<int>& path) {
   seq_->set_length(P + m);
   for (GDNLayer& g : gdn_) g.commit(path, threads_);
   begin_change();
+  // One thread folds what the next verify would fold on all of them: worth it only while the
+  // caller works elsewhere (a draft model's single-threaded rows), which is the caller's call.
+  if (fold_in_background && threads_ > 1 && !gdn_.empty())
+    fold_running_ = start_background([this] {
+      for (GDNLayer& g : gdn_) g.fold_pending(1);
+    });
 }
 
 namespace {
@@ -170,6 +192,7 @@ int Engine::max_draft_prefix() const {
 
 std::vector<float> Engine::draft_chain(int root, int rows, double temperature, uint64_t seed,
                                        std::vector<int>* chain, const std::vector<int>& prefix) {
+  join_fold();
   if (!prefix.empty()) check_tokens(prefix);
   check_tokens({root});
   SW_CHECK(std::isfinite(temperature) && temperature >= 0.0, "draft_chain: temperature must be "
@@ -234,6 +257,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
 }
 
 int Engine::keep_draft(const std::vector<int>& tokens) {
+  join_fold();
   check_tokens(tokens);
   int m = 0;
   while (m < int(tokens.size()) && m < int(draft_tokens_.size()) && tokens[m] == draft_tokens_[m])
@@ -284,12 +308,14 @@ void Engine::restore_gdn() {
 }
 
 void Engine::reset() {
+  join_fold();
   seq_->truncate(0);
   for (GDNLayer& g : gdn_) g.reset();
   begin_change();
 }
 
 void Engine::fill_synthetic(int n, uint64_t seed) {
+  join_fold();
   SW_CHECK(n >= 0 && position() + n <= max_context_, "fill_synthetic: ", n, " positions past ",
            position(), " exceed max_context ", max_context_);
   begin_change();
@@ -311,6 +337,7 @@ void Engine::fill_synthetic(int n, uint64_t seed) {
 }
 
 std::shared_ptr<Snapshot> Engine::snapshot() const {
+  join_fold();
   auto s = std::make_shared<Snapshot>();
   s->length = position();
   const size_t bytes = pool_->page_bytes();
@@ -324,6 +351,7 @@ std::shared_ptr<Snapshot> Engine::snapshot() const {
 }
 
 void Engine::restore(const Snapshot& s) {
+  join_fold();
   SW_CHECK(s.gdn.size() == gdn_.size(), "snapshot is from another model");
   SW_CHECK(s.pages.empty() || s.pages[0].size() == pool_->page_bytes(), "snapshot is from another engine");
   seq_->truncate(0);
@@ -338,6 +366,7 @@ void Engine::restore(const Snapshot& s) {
 size_t Engine::kv_bytes_used() const { return seq_->page_table().size() * pool_->page_bytes(); }
 
 size_t Engine::gdn_state_bytes() const {
+  join_fold();
   size_t b = 0;
   for (const GDNLayer& g : gdn_) b += g.state_bytes();
   return b;

@@ -24,7 +24,11 @@ class Engine {
   std::vector<float> prefill(const std::vector<int>& tokens, bool all_rows);
   // Score a tree (node 0 = root at position P); committed state unchanged. [N][V].
   std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
-  void commit(const std::vector<int>& path);
+  // fold_in_background: fold the committed GDN steps (which the next verify would fold
+  // first) on a pool worker while the caller goes on, e.g. drafting on its own thread; the
+  // next call that touches the GDN state waits for it. The same bits either way.
+  void commit(const std::vector<int>& path, bool fold_in_background = false);
+  ~Engine();
   // Self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is picked from
   // row r: its argmax (ties: lower id) at temperature 0, else the keyed Gumbel-max sample of
   // the sampler (DESIGN.md: noise keyed by (seed, position, id)) among the row's
@@ -92,6 +96,9 @@ class Engine {
   void save_gdn();
   void restore_gdn();
   void begin_change();  // any change of state: drops the verify tape and the kept draft
+  // Waits for commit's background fold: first thing in every method that touches gdn_.
+  void join_fold() const;
+  mutable bool fold_running_ = false;
 
   ModelDims dims_;
   ModelWeights weights_;

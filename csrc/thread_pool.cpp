@@ -52,6 +52,7 @@ class Pool {
     for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
   }
   ~Pool() {
+    wait_idle();
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
@@ -62,9 +63,32 @@ class Pool {
   }
   int size() const { return int(workers_.size()); }
 
+  bool start_background(std::function<void()> fn) {
+    std::lock_guard<std::mutex> run_lock(run_mu_);
+    if (workers_.empty()) return false;
+    wait_idle();
+    bg_fn_ = std::move(fn);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      bg_busy_.store(true);
+    }
+    if (sleepers_.load() > 0) cv_.notify_all();
+    return true;
+  }
+  void wait_background() {
+    wait_idle();
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      std::swap(e, bg_error_);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+
   // The caller thread takes part, so `helpers` workers join it.
   void run(int n, int helpers, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);  // one parallel region at a time
+    wait_idle();  // worker 0 may be running a background task
     fn_ = &fn;
     n_ = n;
     helpers_ = helpers;
@@ -96,14 +120,38 @@ class Pool {
       }
     }
   }
+  void wait_idle() {  // until no background task runs
+    if (!spin_until([&] { return !bg_busy_.load(); })) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_cv_.wait(lk, [&] { return !bg_busy_.load(); });
+    }
+  }
   void loop(int index) {
     uint64_t seen = 0;  // the generation at construction: a region may start before we run
+    // worker 0 also takes the background task
+    auto ready = [&] { return generation_.load() != seen || (index == 0 && bg_busy_.load()); };
     for (;;) {
-      if (!spin_until([&] { return generation_.load() != seen; })) {
+      if (!spin_until(ready)) {
         std::unique_lock<std::mutex> lk(mu_);
         sleepers_.fetch_add(1);
-        cv_.wait(lk, [&] { return generation_.load() != seen; });
+        cv_.wait(lk, ready);
         sleepers_.fetch_sub(1);
+      }
+      if (index == 0 && bg_busy_.load()) {
+        std::exception_ptr e;
+        try {
+          bg_fn_();
+        } catch (...) {
+          e = std::current_exception();
+        }
+        bg_fn_ = nullptr;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (e) bg_error_ = e;
+          bg_busy_.store(false);
+        }
+        done_cv_.notify_all();
+        continue;
       }
       seen = generation_.load();
       if (stop_) return;
@@ -126,6 +174,9 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
   std::exception_ptr error_;
+  std::function<void()> bg_fn_;      // the background task, while bg_busy_
+  std::atomic<bool> bg_busy_{false};
+  std::exception_ptr bg_error_;      // what it raised, until wait_background()
 };
 
 std::atomic<int> g_default_threads{0};
@@ -149,6 +200,9 @@ void set_default_threads(int threads) { g_default_threads.store(threads > 0 ? th
 
 long long min_parallel_work() { return g_min_parallel_work.load(std::memory_order_relaxed); }
 void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 ? 0 : work); }
+
+bool start_background(std::function<void()> fn) { return pool().start_background(std::move(fn)); }
+void wait_background() { pool().wait_background(); }
 
 void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
   if (n <= 0) return;

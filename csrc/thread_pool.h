@@ -8,6 +8,16 @@ namespace sapwood {
 // Runs fn(0..n-1) on up to `threads` threads (0 = default_threads()); returns when all are done.
 void parallel_for(int n, int threads, const std::function<void(int)>& fn);
 int default_threads();
+
+// One background task at a time on a pool worker, for work the caller does not wait on (an
+// engine folding its committed GDN steps while the caller drafts on its own thread).
+// start_background returns false, running nothing, when the pool has no worker; it waits
+// for a previous task first. Parallel regions wait for a running task before they start (its
+// worker is theirs too). wait_background waits for the current task, if any, and rethrows
+// an exception it raised. The task runs its own kernels on one thread (a region of its own
+// would wait for itself).
+bool start_background(std::function<void()> fn);
+void wait_background();
 void set_default_threads(int threads);
 
 // The thread count for a region of about `work` multiply-adds (or element updates): 1 below

@@ -238,6 +238,40 @@ def test_snapshot_restore_replays_identically(ckpt):
     assert eng.position == 0
 
 
+def test_commit_folding_in_background_gives_the_same_bits(ckpt):
+    """commit(fold_in_background=True) folds the path's GDN steps on a pool worker while the
+    caller goes on (here: another engine drafts, as the decoder's draft model does); whatever
+    the caller calls next on the engine waits for it. Every call below equals the engine that
+    folds in its next verify."""
+    plain, bg = (sapwood.load(ckpt, weights="q8", threads=2).engine for _ in range(2))
+    other = sapwood.load(ckpt, weights="q8", threads=2).engine
+    for e in (plain, bg, other):
+        e.prefill(prompt(21, seed=11))
+    rng = np.random.default_rng(12)
+    for step in range(8):
+        parents = random_tree(9, step)
+        tree = prompt(9, seed=20 + step)
+        a, b = plain.verify(tree, parents), bg.verify(tree, parents)
+        assert (a == b).all(), f"verify after step {step}"
+        path = path_to(parents, int(rng.integers(0, 9)))
+        plain.commit(path)
+        bg.commit(path, fold_in_background=True)
+        other.draft_candidates(int(tree[0]), 4, 2, 0.0, 0, [])  # the caller works meanwhile
+        if step == 3:  # calls other than verify wait for the fold too
+            mp, mb = plain.memory(), bg.memory()  # the folded steps' tape is gone
+            assert mb.pop("gdn_state_bytes") < mp.pop("gdn_state_bytes") and mp == mb
+            sp, sb = plain.snapshot(), bg.snapshot()
+            plain.restore(sp), bg.restore(sb)
+        if step == 5:
+            ip, lp = plain.draft_candidates(3, 3, 2, 0.0, 0, [])
+            ib, lb = bg.draft_candidates(3, 3, 2, 0.0, 0, [])
+            assert (ip == ib).all() and (lp == lb).all()
+    assert plain.position == bg.position
+    bg.verify([1], [-1])
+    bg.commit([0], fold_in_background=True)
+    del bg  # an engine may go while its fold runs
+
+
 def test_thread_count_bitwise(ckpt):
     outs = []
     for threads in [1, 2]:

@@ -118,6 +118,8 @@ class Decoder:
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
+        # a draft model's rows run on one thread (Engine.forward_threads), leaving a worker idle
+        self._drafts_on_own_thread = hasattr(drafter, "sync")
 
     def _pick(self, logits, position, history) -> int:
         p = self.cfg.params
@@ -247,7 +249,9 @@ class Decoder:
                         logits = eng.verify(tree.tokens, tree.parents)
                         self.verify_s = time.perf_counter() - t
                     path, picks = self._walk(tree, logits)
-                    eng.commit(path)
+                    # a draft model drafts next, on this thread: the target's worker folds
+                    # the committed GDN steps meanwhile, which the next verify would fold
+                    eng.commit(path, fold_in_background=self._drafts_on_own_thread)
                     committed = [int(tree.tokens[n]) for n in path]
                 self.context.extend(committed)
                 if mode == "plain":  # the drafter catches up when it next drafts
