@@ -74,15 +74,18 @@ def matmul_on_every_isa(m, x):
 
 # shapes reach every register tile and tail: outputs not a multiple of 16 (Q8 groups) or of
 # 64 (a job: odd group counts for AMX's and VNNI's pairs), rows 1..16 (AVX2: 16x3 tiles,
-# one-row below; VNNI: balanced tiles of up to 8 rows x 32 outputs, 9 rows as 5 + 4) and past 16
-# with a partial last tile (AMX: 16 rows per tile), padded widths with (160, 288) and without
+# one-row below; VNNI: balanced tiles of up to 12 rows x 32 outputs, 9-12 rows as one tile, 13
+# as 7 + 6, 24 as 12 + 12, 25 as 9 + 8 + 8) and past 16 with a partial last tile (AMX: 16 rows
+# per tile), padded widths with (160, 288) and without
 # (256) a 32-input tail block
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out,cols,rows", [(50, 160, 7), (64, 256, 16), (37, 288, 1), (9, 32, 5),
                                            (6, 64, 2), (11, 96, 3), (150, 96, 1), (200, 64, 3),
                                            (70, 160, 37), (130, 288, 17), (16, 96, 33),
-                                           (600, 96, 1), (130, 288, 9), (48, 160, 8)])
+                                           (600, 96, 1), (130, 288, 9), (48, 160, 8),
+                                           (50, 160, 10), (37, 288, 11), (130, 96, 12),
+                                           (70, 64, 13), (48, 96, 24), (50, 160, 25)])
 def test_kernel_variants_bitwise(fmt, out, cols, rows):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((out, cols)).astype(np.float32)
