@@ -252,7 +252,8 @@ class Decoder:
                     # a draft model drafts next, on this thread: the target's worker folds
                     # the committed GDN steps meanwhile, which the next verify would fold
                     eng.commit(path, fold_in_background=self._drafts_on_own_thread)
-                    committed = [int(tree.tokens[n]) for n in path]
+                    # the path's tokens: the root, then each pick that found its child
+                    committed = [root] + picks[:-1]
                 self.context.extend(committed)
                 if mode == "plain":  # the drafter catches up when it next drafts
                     self._unsent.extend(committed)
@@ -347,15 +348,15 @@ class Decoder:
         """_walk at temperature 0: every node's argmax in one call (each row's is the pick
         _pick takes of it alone), then the walk over them. Per walked node, _pick's own call
         cost ~5 us: a 9-node chain's walk took 48 us, now ~10."""
-        best = np.argmax(logits, axis=1).tolist()
+        best = logits.argmax(axis=1).tolist()
         path, node, picks = [0], 0, []
         while True:
-            picks.append(best[node])
-            child = tree.child(node, best[node])
+            pick = best[node]
+            if logits[node, pick] != logits[node, pick]:  # a row's argmax is NaN if it has one
+                raise ValueError("logits contain NaN")
+            picks.append(pick)
+            child = tree.child(node, pick)
             if child < 0:
-                break
+                return path, picks
             path.append(child)
             node = child
-        if np.isnan(logits[path, picks]).any():
-            raise ValueError("logits contain NaN")
-        return path, picks

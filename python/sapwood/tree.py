@@ -29,6 +29,7 @@ class Tree:
         if self.q is None:
             self.q = np.zeros(self.tokens.size)
         self._children = None  # child(): (parent, token) -> node
+        self._is_chain = None
 
     @property
     def width(self) -> int:
@@ -36,7 +37,9 @@ class Tree:
 
     @property
     def is_chain(self) -> bool:
-        return bool((self.parents == np.arange(self.width) - 1).all())
+        if self._is_chain is None:  # asked several times a round; the arrays are not mutated
+            self._is_chain = bool((self.parents == np.arange(self.width) - 1).all())
+        return self._is_chain
 
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
@@ -104,10 +107,28 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
                 np.array(rnk, np.int64), np.array(lps), np.array(qs))
 
 
+def _chain_shape(n: int) -> tuple:
+    """(parents, depth, rank, logp) of an n-node chain: the same every round, so built once
+    (read-only, as trees share them). Building them took about a third of chain()'s time."""
+    shape = _CHAIN_SHAPES.get(n)
+    if shape is None:
+        rank = np.zeros(n, np.int64)
+        rank[0] = -1
+        shape = (np.arange(n) - 1, np.arange(n), rank, np.zeros(n))
+        for a in shape:
+            a.flags.writeable = False
+        _CHAIN_SHAPES[n] = shape
+    return shape
+
+
+_CHAIN_SHAPES: dict = {}
+
+
 def chain(root: int, lattice: Lattice, rows: int) -> Tree:
     """The root plus the drafter's own chain (rank 0 of every row) of `rows` rows."""
     c = lattice.chain()[:rows]
     n = len(c) + 1
     q = [0.0] + [float(lattice.logprobs[r][0]) for r in range(len(c))]
-    return Tree(np.array([root] + c, np.int64), np.arange(n) - 1, np.arange(n),
-                np.array([-1] + [0] * len(c)), np.zeros(n), np.array(q))
+    tree = Tree(np.array([root] + c, np.int64), *_chain_shape(n), np.array(q))
+    tree._is_chain = True
+    return tree

@@ -1,0 +1,99 @@
+"""The speculation policy's bookkeeping against definitions written out with numpy: the
+acceptance counts, the cost fit's medians, the chain tree's shape. These run every round in
+plain Python for speed; the oracles here are the straightforward array versions."""
+import statistics
+
+import numpy as np
+import pytest
+
+from sapwood.drafters import Lattice
+from sapwood.policy import AcceptanceModel, CostModel, _median
+from sapwood.tree import chain, grow
+
+
+def random_lattice(rng, rows, k):
+    lat = Lattice()
+    for _ in range(rows):
+        p = np.sort(rng.dirichlet(np.ones(k) * 0.5))[::-1]
+        lat.tokens.append(rng.choice(1000, k, replace=False))
+        lat.logprobs.append(np.log(np.maximum(p, 1e-30)))
+    return lat
+
+
+def random_path(rng, tree):
+    """A root-to-node path: each step to a random child, stopping at random or at a leaf."""
+    path = [0]
+    while True:
+        kids = np.flatnonzero(tree.parents == path[-1])
+        if kids.size == 0 or rng.random() < 0.25:
+            return path
+        path.append(int(rng.choice(kids)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
+    """Offered: every node whose parent is on the committed path; accepted: those on it. Cells
+    by (rank capped at max_rank - 1, the bucket of exp(q) among EDGES, right side)."""
+    rng = np.random.default_rng(seed)
+    acc = AcceptanceModel(max_rank=4)  # small, so that ranks past the last row are capped
+    want_off, want_acc = np.zeros_like(acc.offered), np.zeros_like(acc.accepted)
+    for _ in range(20):
+        tree = grow(0, random_lattice(rng, rows=6, k=6), int(rng.integers(1, 17)))
+        path = random_path(rng, tree)
+        acc.observe(tree, path)
+        on = np.zeros(tree.width, bool)
+        on[path] = True
+        for n in range(1, tree.width):
+            if on[tree.parents[n]]:
+                cell = (min(tree.rank[n], 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(tree.q[n]),
+                                                              side="right"))
+                want_off[cell] += 1
+                want_acc[cell] += on[n]
+    assert want_off.sum() > 0 and want_acc.sum() > 0
+    assert (acc.offered == want_off).all() and (acc.accepted == want_acc).all()
+    # chance() reads the same cells observe() counts
+    r, q = np.array([0, 1, 5]), np.array([-0.01, -1.0, -3.0])
+    cells = (np.minimum(r, 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(q), side="right"))
+    want = (want_acc[cells] + acc.strength * acc.prior[cells]) / (want_off[cells] + acc.strength)
+    assert (acc.chance(r, q) == want).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 36])
+def test_median_is_statistics_median(n):
+    rng = np.random.default_rng(n)
+    for xs in (rng.random(n).tolist(), rng.integers(0, 3, n).astype(float).tolist()):
+        assert _median(xs) == statistics.median(xs)
+
+
+def test_cost_fit_is_theil_sen_of_per_width_medians():
+    """verify_line: slope the median of pairwise slopes between widths' median timings,
+    intercept the median residual (both clamped at 0), written out with statistics here."""
+    rng = np.random.default_rng(0)
+    cm = CostModel()
+    for _ in range(60):
+        w = int(rng.integers(1, 10))
+        cm.observe(w, 100, 1e-3 + 2e-4 * w + 1e-4 * rng.random())
+    obs = cm._obs[cm._band(100)]
+    ws = sorted(obs)
+    med = [statistics.median(obs[w]) for w in ws]
+    b = statistics.median([(med[j] - med[i]) / (ws[j] - ws[i])
+                           for i in range(len(ws)) for j in range(i + 1, len(ws))])
+    a = statistics.median([t - b * w for w, t in zip(ws, med)])
+    assert cm.verify_line(100) == (max(a, 0.0), max(b, 0.0))
+    assert cm.calibrated(100) and not cm.calibrated(5000)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8])
+def test_chain_tree_shape(rows):
+    lat = random_lattice(np.random.default_rng(rows), rows=8, k=4)
+    t = chain(7, lat, rows)
+    n = rows + 1
+    assert t.tokens.tolist() == [7] + [int(x[0]) for x in lat.tokens[:rows]]
+    assert t.parents.tolist() == list(range(-1, n - 1))
+    assert t.depth.tolist() == list(range(n)) and t.rank.tolist() == [-1] + [0] * rows
+    assert t.q.tolist() == [0.0] + [float(x[0]) for x in lat.logprobs[:rows]]
+    assert (t.logp == 0).all() and t.is_chain
+    # the shape arrays are shared between rounds: nobody may write to them
+    with pytest.raises(ValueError):
+        t.parents[0] = 3
+    assert chain(7, lat, rows).parents.tolist() == list(range(-1, n - 1))
