@@ -83,9 +83,14 @@ def test_cost_fit_is_theil_sen_of_per_width_medians():
     assert cm.calibrated(100) and not cm.calibrated(5000)
 
 
+@pytest.mark.parametrize("as_array", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 8])
-def test_chain_tree_shape(rows):
+def test_chain_tree_shape(rows, as_array):
+    """A lattice of per-row lists and one of [rows, k] arrays (a model drafter's) give the
+    same chain."""
     lat = random_lattice(np.random.default_rng(rows), rows=8, k=4)
+    if as_array:
+        lat = Lattice(np.array(lat.tokens), np.array(lat.logprobs))
     t = chain(7, lat, rows)
     n = rows + 1
     assert t.tokens.tolist() == [7] + [int(x[0]) for x in lat.tokens[:rows]]

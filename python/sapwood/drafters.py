@@ -17,16 +17,28 @@ import numpy as np
 
 @dataclass
 class Lattice:
-    tokens: list[np.ndarray] = field(default_factory=list)    # per row: candidate ids [k]
-    logprobs: list[np.ndarray] = field(default_factory=list)  # per row: log-probabilities [k]
+    # per row: candidate ids [k] and their log-probabilities [k]; a drafter whose rows all have
+    # k candidates may give [rows, k] arrays instead (a sequence of rows too)
+    tokens: list[np.ndarray] | np.ndarray = field(default_factory=list)
+    logprobs: list[np.ndarray] | np.ndarray = field(default_factory=list)
 
     @property
     def rows(self) -> int:
         return len(self.tokens)
 
-    def chain(self) -> list[int]:
-        """The drafter's own continuation (rank 0 of every row)."""
-        return [int(t[0]) for t in self.tokens]
+    def chain(self, rows: int | None = None) -> list[int]:
+        """The drafter's own continuation (rank 0 of every row, or of the first `rows`)."""
+        return _rank0(self.tokens[:rows], int)
+
+    def chain_logprobs(self, rows: int | None = None) -> list[float]:
+        """The log-probabilities of chain()'s tokens."""
+        return _rank0(self.logprobs[:rows], float)
+
+
+def _rank0(rows, kind) -> list:
+    if isinstance(rows, np.ndarray):  # one numpy call, not one per row (this runs every round)
+        return rows[:, 0].tolist() if rows.size else []
+    return [kind(r[0]) for r in rows]
 
 
 class Drafter(Protocol):
@@ -152,4 +164,4 @@ class ModelDrafter:
         ids, logp = self.engine.draft_candidates(int(root), rows, self.top_k, self.temperature,
                                                  self.seed, self._pending)
         self._pending = []
-        return Lattice(tokens=list(ids), logprobs=list(logp))
+        return Lattice(tokens=ids, logprobs=logp)

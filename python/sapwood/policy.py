@@ -87,6 +87,7 @@ class CostModel:
         self.prior = (float(prior[0]), float(prior[1]))
         self.per_width, self.rest_window = per_width, rest_window
         self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
+        self._meds: dict[int, dict] = {}    # band -> {width: median of its recent seconds}
         self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
         self._rest: dict[int, list] = {}    # band -> recent rest times
 
@@ -109,10 +110,10 @@ class CostModel:
         line = self._lines.get(band)
         if line is None:
             line = self.prior
-            obs = self._obs.get(band, {})
-            if len(obs) >= 2:
-                ws = sorted(obs)
-                med = [_median(obs[w]) for w in ws]
+            meds = self._meds.get(band, {})
+            if len(meds) >= 2:
+                ws = sorted(meds)
+                med = [meds[w] for w in ws]
                 slopes = [(med[j] - med[i]) / (ws[j] - ws[i])
                           for i in range(len(ws)) for j in range(i + 1, len(ws))]
                 b = max(_median(slopes), 0.0)
@@ -140,6 +141,7 @@ class CostModel:
         times = self._obs.setdefault(band, {}).setdefault(int(w), [])
         times.append(float(seconds))
         del times[:-self.per_width]
+        self._meds.setdefault(band, {})[int(w)] = _median(times)  # the one median that moved
         self._lines[band] = None
 
     def observe_rest(self, ctx, seconds) -> None:
@@ -245,8 +247,10 @@ class DraftLength:
     def keep_rate(self) -> float:
         """The pooled chance that a drafted row is kept given the one before it was: kept rows
         over kept rows plus rejections, with `prior` pseudo-rows at prior_keep."""
-        kept = sum(k for _, k in self._rounds)
-        rejected = sum(1 for d, k in self._rounds if k < d)
+        kept = rejected = 0
+        for d, k in self._rounds:  # one pass: this runs every round
+            kept += k
+            rejected += k < d
         return (kept + self.prior * self.prior_keep) / (kept + rejected + self.prior)
 
     def survival(self) -> list[float]:

@@ -126,9 +126,9 @@ _CHAIN_SHAPES: dict = {}
 
 def chain(root: int, lattice: Lattice, rows: int) -> Tree:
     """The root plus the drafter's own chain (rank 0 of every row) of `rows` rows."""
-    c = lattice.chain()[:rows]
+    c = lattice.chain(rows)
     n = len(c) + 1
-    q = [0.0] + [float(lattice.logprobs[r][0]) for r in range(len(c))]
+    q = [0.0] + lattice.chain_logprobs(rows)
     tree = Tree(np.array([root] + c, np.int64), *_chain_shape(n), np.array(q))
     tree._is_chain = True
     return tree
