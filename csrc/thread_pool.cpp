@@ -86,10 +86,10 @@ class Pool {
   }
 
   // The caller thread takes part, so `helpers` workers join it.
-  void run(int n, int helpers, const std::function<void(int)>& fn) {
+  void run(int n, int helpers, JobRef fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);  // one parallel region at a time
     wait_idle();  // worker 0 may be running a background task
-    fn_ = &fn;
+    fn_ = &fn;  // lives until run() returns, after every helper is done with it
     n_ = n;
     helpers_ = helpers;
     error_ = nullptr;
@@ -168,7 +168,7 @@ class Pool {
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* fn_ = nullptr;
+  const JobRef* fn_ = nullptr;
   int n_ = 0, helpers_ = 0;
   std::atomic<int> next_{0}, remaining_{0}, sleepers_{0};
   std::atomic<uint64_t> generation_{0};
@@ -204,7 +204,7 @@ void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 
 bool start_background(std::function<void()> fn) { return pool().start_background(std::move(fn)); }
 void wait_background() { pool().wait_background(); }
 
-void parallel_for(int n, int threads, const std::function<void(int)>& fn) {
+void parallel_for(int n, int threads, JobRef fn) {
   if (n <= 0) return;
   if (threads <= 0) threads = default_threads();
   Pool& p = pool();
