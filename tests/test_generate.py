@@ -156,8 +156,7 @@ def test_greedy_walk_follows_the_targets_pick_at_every_node(seed):
             break
         node = int(kids[0])
         want_path.append(node)
-    dec = Decoder.__new__(Decoder)  # _walk needs only the config
-    dec.cfg = DecodeConfig()
+    dec = Decoder(None, None, DecodeConfig())  # _walk needs no engine
     assert dec._walk(tree, logits) == (want_path, want_picks)
     logits[want_path[-1], 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):

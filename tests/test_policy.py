@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sapwood.drafters import Lattice
-from sapwood.policy import AcceptanceModel, CostModel, _median
+from sapwood.policy import AcceptanceModel, CostModel, PlainFallback, _median
 from sapwood.tree import chain, grow
 
 
@@ -102,3 +102,21 @@ def test_chain_tree_shape(rows, as_array):
     with pytest.raises(ValueError):
         t.parents[0] = 3
     assert chain(7, lat, rows).parents.tolist() == list(range(-1, n - 1))
+
+
+def test_plain_rate_is_the_lower_quartile_of_the_last_16_plain_rounds():
+    """Only plain rounds after plain rounds count; plain_s once plain_samples of them are in."""
+    rng = np.random.default_rng(1)
+    pf = PlainFallback(plain_samples=8)
+    timed, after_plain = [], False
+    for i in range(80):
+        plain = bool(rng.random() < 0.8)
+        secs = float(rng.choice([1e-4, 2e-4, 3e-4])) if i % 7 == 0 else float(rng.random() * 1e-3)
+        pf.observe(plain, 1 if plain else 4, secs)
+        if plain and after_plain:
+            timed.append(secs)
+        after_plain = plain
+        last = timed[-16:]
+        want = sorted(last)[len(last) // 4] if len(last) >= 8 else None
+        assert pf.plain_s == want, i
+    assert len(timed) > 16

@@ -120,18 +120,21 @@ class Decoder:
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
         # a draft model's rows run on one thread (Engine.forward_threads), leaving a worker idle
         self._drafts_on_own_thread = hasattr(drafter, "sync")
+        # asked at every pick: the request's parameters do not change while it runs
+        self._tree_eligible = cfg.params.tree_eligible
+        self._greedy = cfg.params.temperature == 0 and self._tree_eligible
 
     def _pick(self, logits, position, history) -> int:
-        p = self.cfg.params
-        if p.temperature == 0 and p.tree_eligible:
+        if self._greedy:
             # greedy: the argmax of the engine's float32 row is the argmax sample() takes of its
             # float64 copy (the conversion is exact); skipping sample()'s checks of the whole row
             # saves tens of microseconds per emitted token, the engine's logits are finite.
-            tok = int(np.argmax(logits))
-            if np.isnan(logits[tok]):
+            tok = int(logits.argmax())
+            if logits[tok] != logits[tok]:  # the argmax of a row with a NaN is a NaN
                 raise ValueError("logits contain NaN")
             return tok
-        if not p.tree_eligible:  # penalties look at the tokens before this position
+        p = self.cfg.params
+        if not self._tree_eligible:  # penalties look at the tokens before this position
             logits = apply_penalties(logits, history, p)
         return int(sample(logits, position, seed=p.seed, temperature=p.temperature,
                           top_k=p.top_k, top_p=p.top_p, min_p=p.min_p))
@@ -140,7 +143,7 @@ class Decoder:
         mode = self.cfg.verify
         if self.drafter is None:
             return "off"
-        if mode in ("tree", "auto") and not self.cfg.params.tree_eligible:
+        if mode in ("tree", "auto") and not self._tree_eligible:
             return "chain"  # penalties, constraints: always the chain
         if mode == "auto":
             if self.plain.skip_draft(self._behind):
@@ -237,7 +240,7 @@ class Decoder:
                     t = time.perf_counter()
                     logits = eng.verify([root], [-1])
                     self.verify_s = time.perf_counter() - t
-                    hist = None if cfg.params.tree_eligible else self.context + [root]
+                    hist = None if self._tree_eligible else self.context + [root]
                     picks, path = [self._pick(logits[0], eng.position + 1, hist)], [0]
                     eng.commit(path)
                     committed = [root]
@@ -325,15 +328,14 @@ class Decoder:
     def _walk(self, tree, logits):
         """From the root, follow the child whose token is the target's pick at each node.
         Returns the path (node indices) and the picks made along it (len(path) of them)."""
-        p = self.cfg.params
-        if p.temperature == 0 and p.tree_eligible:
+        if self._greedy:
             return self._walk_greedy(tree, logits)
         path, node, picks = [0], 0, []
         base = self.engine.position
         while True:
             depth = len(path) - 1
             hist = None
-            if not self.cfg.params.tree_eligible:
+            if not self._tree_eligible:
                 hist = self.context + [int(tree.tokens[n]) for n in path]
             pick = self._pick(logits[node], base + depth + 1, hist)
             picks.append(pick)

@@ -87,7 +87,7 @@ class CostModel:
         self.prior = (float(prior[0]), float(prior[1]))
         self.per_width, self.rest_window = per_width, rest_window
         self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
-        self._meds: dict[int, dict] = {}    # band -> {width: median of its recent seconds}
+        self._meds: dict[int, dict] = {}    # band -> {width: their median, None until asked}
         self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
         self._rest: dict[int, list] = {}    # band -> recent rest times
 
@@ -113,6 +113,9 @@ class CostModel:
             meds = self._meds.get(band, {})
             if len(meds) >= 2:
                 ws = sorted(meds)
+                for w in ws:  # the widths observed since the last fit (plain rounds: width 1)
+                    if meds[w] is None:
+                        meds[w] = _median(self._obs[band][w])
                 med = [meds[w] for w in ws]
                 slopes = [(med[j] - med[i]) / (ws[j] - ws[i])
                           for i in range(len(ws)) for j in range(i + 1, len(ws))]
@@ -141,7 +144,7 @@ class CostModel:
         times = self._obs.setdefault(band, {}).setdefault(int(w), [])
         times.append(float(seconds))
         del times[:-self.per_width]
-        self._meds.setdefault(band, {})[int(w)] = _median(times)  # the one median that moved
+        self._meds.setdefault(band, {})[int(w)] = None  # its median moved: verify_line refits it
         self._lines[band] = None
 
     def observe_rest(self, ctx, seconds) -> None:
@@ -340,6 +343,7 @@ class PlainFallback:
         self.plain_samples = plain_samples  # plain rounds timed before plain_s is trusted
         self.plain_s = None
         self._plain_times: list[float] = []  # plain_s: their lower quartile (see observe)
+        self._plain_sorted: list[float] = []  # the same times in order (one insort a round)
         self.catch_up_per_token = None        # the drafter's seconds per caught-up token
         self._tokens: list[int] = []          # this request's speculative rounds (the last
         self._secs: list[float] = []          # `window`): tokens committed, seconds
@@ -427,10 +431,11 @@ class PlainFallback:
             # decoding.
             if after_plain:
                 self._plain_times.append(seconds)
-                del self._plain_times[:-16]
+                bisect.insort(self._plain_sorted, seconds)
+                if len(self._plain_times) > 16:
+                    self._plain_sorted.remove(self._plain_times.pop(0))
                 if len(self._plain_times) >= self.plain_samples:
-                    t = sorted(self._plain_times)
-                    self.plain_s = t[len(t) // 4]
+                    self.plain_s = self._plain_sorted[len(self._plain_sorted) // 4]
             return
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
