@@ -43,6 +43,32 @@ def test_ab_command_writes_every_block(ckpt, tmp_path, capsys):
     assert "sha256" in capsys.readouterr().out
 
 
+def test_ab_across_processes_keeps_every_process(ckpt, tmp_path, capsys):
+    out = tmp_path / "abp.json"
+    assert main(["bench", "ab", "--model", str(ckpt), "--a", "verify=off",
+                 "--b", "verify=chain,drafter=lookup", "--prompts", "1", "--max-tokens", "6",
+                 "--blocks", "1", "--processes", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["processes"]) == 2
+    dec = [r["summary"]["geomean_decode_tok_s_ratio"] for r in res["processes"]]
+    assert res["summary"]["decode_ratio_range"] == [min(dec), max(dec)]
+    assert len(res["summary"]["arm_a_decode_tok_s"]) == 2
+    assert all(r["revision"] and len(r["per_prompt"]) == 1 for r in res["processes"])
+    printed = capsys.readouterr().out
+    assert "process 2/2" in printed and "over 2 processes" in printed and "sha256" in printed
+
+
+def test_ab_across_processes_reports_a_failing_process(ckpt, tmp_path, capsys):
+    assert main(["bench", "ab", "--model", str(ckpt), "--a", "verify=sideways", "--prompts", "1",
+                 "--max-tokens", "4", "--blocks", "1", "--processes", "2",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "sideways" in err and "process 1 of the A/B failed (exit 2)" in err
+    assert not (tmp_path / "x.json").exists()
+    assert main(["bench", "ab", "--model", str(ckpt), "--processes", "0"]) == 2
+    assert "--processes must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_ab_detects_different_outputs(ckpt):
     import sapwood
     m = sapwood.load(ckpt)

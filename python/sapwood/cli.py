@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     ab.add_argument("--blocks", type=int, default=2)
     ab.add_argument("--warmup", type=int, default=1)
     ab.add_argument("--out", default="ab.json")
+    ab.add_argument("--processes", type=int, default=1,
+                    help="run the A/B in this many fresh processes and report their spread")
     ab.set_defaults(fn=lambda a: _bench("ab", a))
     wd = b.add_parser("width", help="tokens/s per tree width per context depth, and the width rule")
     _add_model_args(wd)

@@ -7,6 +7,7 @@ passes (non-regression, not a gain) when the regression is at most max(2%, 2 * s
 """
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -89,9 +90,76 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
             "per_prompt": per_prompt, "summary": summary}
 
 
+def arm_speed(res: dict, arm: str, metric: str = "decode_tok_s") -> float:
+    """The geometric mean over prompts of an arm's median `metric`: how fast the host ran that
+    arm in the process (between processes it moves both arms, and their ratio with them)."""
+    return geomean([np.median([x[metric] for b in p["blocks"] for x in b["samples"][arm]])
+                    for p in res["per_prompt"]])
+
+
+def _child_argv(a, out) -> list[str]:
+    """`sapwood bench ab` with a's options, one process, writing to `out`."""
+    argv = ["bench", "ab", "--model", str(a.model), "--weights", a.weights, "--kv", a.kv,
+            "--max-context", str(a.max_context), "--a", a.a, "--b", a.b,
+            "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens),
+            "--blocks", str(a.blocks), "--warmup", str(a.warmup), "--out", str(out)]
+    if a.threads is not None:
+        argv += ["--threads", str(a.threads)]
+    if a.cohort:
+        argv += ["--cohort", a.cohort]
+    return argv
+
+
+def across_processes(a) -> int:
+    """The same A/B in `a.processes` fresh processes one after another: within a process the
+    blocks cancel drift, between processes the host's state can move the verdict (on a shared
+    2-core VM one off -> chain A/B read x0.82 to x1.13 within an hour), so the report is the
+    spread of per-process verdicts, with each process's speed of arm A beside its ratio."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.processes):
+            out = Path(tmp) / f"ab{i}.json"
+            cmd = [sys.executable, "-m", "sapwood", *_child_argv(a, out)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:  # its own error message, then which process it was
+                print(r.stderr[-2000:], end="", file=sys.stderr)
+                print(f"sapwood: process {i + 1} of the A/B failed (exit {r.returncode})",
+                      file=sys.stderr)
+                return r.returncode
+            runs.append(json.loads(out.read_text(encoding="utf-8")))
+            s = runs[-1]["summary"]
+            print(f"process {i + 1}/{a.processes}: decode x{s['geomean_decode_tok_s_ratio']:.3f}, "
+                  f"tok/s x{s['geomean_tok_s_ratio']:.3f}, arm A {arm_speed(runs[-1], 'A'):.0f} "
+                  f"decode tok/s; regressing: {s['prompts_regressing'] or 'none'}", flush=True)
+    dec = [r["summary"]["geomean_decode_tok_s_ratio"] for r in runs]
+    tok = [r["summary"]["geomean_tok_s_ratio"] for r in runs]
+    summary = {
+        "decode_ratio_median": float(np.median(dec)), "decode_ratio_range": [min(dec), max(dec)],
+        "tok_s_ratio_median": float(np.median(tok)), "tok_s_ratio_range": [min(tok), max(tok)],
+        "arm_a_decode_tok_s": [arm_speed(r, "A") for r in runs],
+        "processes_b_faster": sum(d > 1.0 for d in dec),
+    }
+    print(f"\nB vs A over {a.processes} processes: decode x{summary['decode_ratio_median']:.3f} "
+          f"median [x{min(dec):.3f}, x{max(dec):.3f}], tok/s x{summary['tok_s_ratio_median']:.3f} "
+          f"[x{min(tok):.3f}, x{max(tok):.3f}]; B faster in {summary['processes_b_faster']} of "
+          f"{a.processes}")
+    sha = dump_json({"processes": runs, "summary": summary}, a.out)
+    print(f"raw JSON {a.out} sha256 {sha}")
+    return 0
+
+
 def main(a) -> int:
     import sapwood
 
+    if a.processes < 1:
+        raise ValueError(f"--processes must be at least 1, got {a.processes}")
+    if a.processes > 1:
+        return across_processes(a)
     model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
                          max_context=a.max_context)
     prompts = load_cohort(a.cohort)[: a.prompts] if a.prompts else load_cohort(a.cohort)
