@@ -9,9 +9,9 @@ mkdir -p $R
 python -m pytest -q -p no:cacheprovider bench/test_bench_kernels.py --benchmark-only --benchmark-group-by=group \
   --benchmark-columns=median,min,max --benchmark-json=$R/kernels.json | tee $R/kernels.txt
 python bench/tokens_per_cycle.py --max-tokens 64 --out $R/tokens_per_cycle.json | tee $R/tokens_per_cycle.txt
-sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 12 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
-sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 12 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
-sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 12 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
+sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
+sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
+sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
 python bench/replay_fallback.py record --out $R/fallback_rounds.json > /dev/null
 python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $R/fallback_replay.txt
 # the 2-core Xeon's recording of stop 18 (chain rounds ~4.75 plain tokens): policy changes are

@@ -39,6 +39,9 @@ def test_ab_command_writes_every_block(ckpt, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert len(res["per_prompt"]) == 2 and all(len(p["blocks"]) == 2 for p in res["per_prompt"])
     assert [b["order"] for b in res["per_prompt"][0]["blocks"]] == ["ABBA", "BAAB"]
+    # the output once a prompt (every sample was checked equal to it), not once a sample
+    assert len(res["per_prompt"][0]["tokens"]) == 8
+    assert "tokens" not in res["per_prompt"][0]["blocks"][0]["samples"]["A"][0]
     assert res["revision"] and res["model"]["files"]
     assert "sha256" in capsys.readouterr().out
 
