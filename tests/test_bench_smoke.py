@@ -57,8 +57,12 @@ def test_ab_across_processes_keeps_every_process(ckpt, tmp_path, capsys):
     assert res["summary"]["decode_ratio_range"] == [min(dec), max(dec)]
     assert len(res["summary"]["arm_a_decode_tok_s"]) == 2
     assert all(r["revision"] and len(r["per_prompt"]) == 1 for r in res["processes"])
+    pp = res["summary"]["per_prompt"]
+    ch = [r["per_prompt"][0]["decode_tok_s_change_median"] for r in res["processes"]]
+    assert len(pp) == 1 and pp[0]["decode_change_range"] == [min(ch), max(ch)]
     printed = capsys.readouterr().out
     assert "process 2/2" in printed and "over 2 processes" in printed and "sha256" in printed
+    assert pp[0]["id"] in printed
 
 
 def test_ab_across_processes_reports_a_failing_process(ckpt, tmp_path, capsys):

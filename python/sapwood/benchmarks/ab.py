@@ -140,11 +140,20 @@ def across_processes(a) -> int:
                   f"decode tok/s; regressing: {s['prompts_regressing'] or 'none'}", flush=True)
     dec = [r["summary"]["geomean_decode_tok_s_ratio"] for r in runs]
     tok = [r["summary"]["geomean_tok_s_ratio"] for r in runs]
+    per_prompt = []
+    for i, p in enumerate(runs[0]["per_prompt"]):  # every process ran the same prompts in order
+        ch = [r["per_prompt"][i]["decode_tok_s_change_median"] for r in runs]
+        tpc = {n: float(np.mean([r["per_prompt"][i]["tokens_per_cycle"][n] for r in runs])) for n in "AB"}
+        per_prompt.append({"id": p["id"], "decode_change_median": float(np.median(ch)),
+                           "decode_change_range": [min(ch), max(ch)], "tokens_per_cycle": tpc})
+        print(f"{p['id']:>18}  decode {100 * np.median(ch):+6.1f}% [{100 * min(ch):+.1f}, "
+              f"{100 * max(ch):+.1f}]  tok/cycle A {tpc['A']:.2f} B {tpc['B']:.2f}")
     summary = {
         "decode_ratio_median": float(np.median(dec)), "decode_ratio_range": [min(dec), max(dec)],
         "tok_s_ratio_median": float(np.median(tok)), "tok_s_ratio_range": [min(tok), max(tok)],
         "arm_a_decode_tok_s": [arm_speed(r, "A") for r in runs],
         "processes_b_faster": sum(d > 1.0 for d in dec),
+        "per_prompt": per_prompt,  # decode change: median [range] over the processes
     }
     print(f"\nB vs A over {a.processes} processes: decode x{summary['decode_ratio_median']:.3f} "
           f"median [x{min(dec):.3f}, x{max(dec):.3f}], tok/s x{summary['tok_s_ratio_median']:.3f} "
