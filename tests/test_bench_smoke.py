@@ -57,6 +57,9 @@ def test_ab_across_processes_keeps_every_process(ckpt, tmp_path, capsys):
     assert res["summary"]["decode_ratio_range"] == [min(dec), max(dec)]
     assert len(res["summary"]["arm_a_decode_tok_s"]) == 2
     assert all(r["revision"] and len(r["per_prompt"]) == 1 for r in res["processes"])
+    # each child ran this command line: its arms and sizes
+    assert all(r["arms"]["B"] == {"verify": "chain", "drafter": "lookup"} and r["max_tokens"] == 6
+               and r["blocks"] == 1 for r in res["processes"])
     pp = res["summary"]["per_prompt"]
     ch = [r["per_prompt"][0]["decode_tok_s_change_median"] for r in res["processes"]]
     assert len(pp) == 1 and pp[0]["decode_change_range"] == [min(ch), max(ch)]

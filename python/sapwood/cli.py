@@ -122,7 +122,9 @@ def main(argv=None) -> int:
     pe.add_argument("--reps", type=int, default=3)
     pe.add_argument("--out", default="peers.json")
     pe.set_defaults(fn=lambda a: _bench("peers", a))
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
+    a.argv = argv  # bench ab --processes reruns its own command line in each child
     try:
         return a.fn(a)
     except (ValueError, MemoryError) as e:

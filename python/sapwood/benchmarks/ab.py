@@ -8,7 +8,11 @@ passes (non-regression, not a gain) when the regression is at most max(2%, 2 * s
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -99,34 +103,17 @@ def arm_speed(res: dict, arm: str, metric: str = "decode_tok_s") -> float:
                     for p in res["per_prompt"]])
 
 
-def _child_argv(a, out) -> list[str]:
-    """`sapwood bench ab` with a's options, one process, writing to `out`."""
-    argv = ["bench", "ab", "--model", str(a.model), "--weights", a.weights, "--kv", a.kv,
-            "--max-context", str(a.max_context), "--a", a.a, "--b", a.b,
-            "--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens),
-            "--blocks", str(a.blocks), "--warmup", str(a.warmup), "--out", str(out)]
-    if a.threads is not None:
-        argv += ["--threads", str(a.threads)]
-    if a.cohort:
-        argv += ["--cohort", a.cohort]
-    return argv
-
-
 def across_processes(a) -> int:
     """The same A/B in `a.processes` fresh processes one after another: within a process the
     blocks cancel drift, between processes the host's state can move the verdict (on a shared
     2-core VM one off -> chain A/B read x0.82 to x1.13 within an hour), so the report is the
     spread of per-process verdicts, with each process's speed of arm A beside its ratio."""
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.processes):
             out = Path(tmp) / f"ab{i}.json"
-            cmd = [sys.executable, "-m", "sapwood", *_child_argv(a, out)]
+            # the same command line, the last --processes and --out winning (argparse)
+            cmd = [sys.executable, "-m", "sapwood", *a.argv, "--processes", "1", "--out", str(out)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:  # its own error message, then which process it was
                 print(r.stderr[-2000:], end="", file=sys.stderr)
