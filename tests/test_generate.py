@@ -524,6 +524,43 @@ def test_plain_fallback_goes_plain_only_on_clear_evidence():
     assert not _judged([1, 2] * 4, seconds=0.0004).prefers_plain()
 
 
+def test_plain_fallback_drafts_again_after_a_draft_kept_to_the_end():
+    """A round that kept its whole (shortened) draft is not a miss: the next round drafts
+    again, whatever the evidence so far; a round ending in a miss lets the judgement speak."""
+    pf = _judged([1, 2] * 4)            # clear evidence: plain
+    assert pf.prefers_plain() and pf.skip_draft()
+    pf.observe(False, 3, 0.002, ran_out=True)   # a probe... or any round keeping its draft
+    assert pf.prefers_plain() and not pf.skip_draft()
+    pf.observe(False, 2, 0.002)                 # then a miss: plain again
+    assert pf.prefers_plain() and pf.skip_draft()
+
+
+def test_auto_tells_the_fallback_which_rounds_kept_their_draft(monkeypatch, models):
+    """generate's `ran_out`: the walk ended at a leaf of the round's tree."""
+    target, root = models
+    seen = []
+    orig = PlainFallback.observe
+
+    def spy(self, plain, tokens, seconds, catch_up_s=0.0, ran_out=False):
+        seen[-1].append((plain, tokens, ran_out))
+        return orig(self, plain, tokens, seconds, catch_up_s, ran_out)
+
+    monkeypatch.setattr(PlainFallback, "observe", spy)
+    judged = []
+    for d in (root / "target", root / "draft"):  # long kept drafts, then short missed ones
+        seen.append([])
+        rounds = []
+        target.generate(prompt(9), max_tokens=60, verify="auto", drafter=str(d),
+                        on_round=lambda tree, path, s: rounds.append(
+                            (tree.width, len(path), not (tree.parents == path[-1]).any())))
+        assert len(seen[-1]) == len(rounds) - 1  # the first round is not judged
+        for (plain, tokens, ran_out), (width, walked, leaf) in zip(seen[-1], rounds[1:]):
+            assert plain == (width == 1) and tokens == walked
+            assert ran_out == (leaf and not plain)
+        judged += seen[-1]
+    assert any(r for _, _, r in judged) and any(not p and not r for p, _, r in judged)
+
+
 def test_plain_fallback_judges_early_rounds_with_the_bands_pooled_spread():
     """A band's earlier requests tell the spread of tokens per round; a new request's first
     rounds are judged with it (z standard errors), not with z_early of their own spread."""
