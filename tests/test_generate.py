@@ -524,15 +524,21 @@ def test_plain_fallback_goes_plain_only_on_clear_evidence():
     assert not _judged([1, 2] * 4, seconds=0.0004).prefers_plain()
 
 
-def test_plain_fallback_drafts_again_after_a_draft_kept_to_the_end():
-    """A round that kept its whole (shortened) draft is not a miss: the next round drafts
-    again, whatever the evidence so far; a round ending in a miss lets the judgement speak."""
-    pf = _judged([1, 2] * 4)            # clear evidence: plain
-    assert pf.prefers_plain() and pf.skip_draft()
-    pf.observe(False, 3, 0.002, ran_out=True)   # a probe... or any round keeping its draft
-    assert pf.prefers_plain() and not pf.skip_draft()
-    pf.observe(False, 2, 0.002)                 # then a miss: plain again
-    assert pf.prefers_plain() and pf.skip_draft()
+def test_plain_fallback_drafts_again_after_a_draft_kept_to_the_end_until_it_went_plain():
+    """A round that kept its whole (shortened) draft is not a miss: until the request's first
+    plain round the next round drafts again, whatever the evidence so far; after it the
+    evidence speaks (probes of a prompt with short, often kept drafts went on speculating)."""
+    band = _judged([1, 2] * 4)          # the band's plain rate and pooled spread
+    assert band.prefers_plain() and band.skip_draft()
+    band.begin_request(cap=9)           # a new request of the band
+    band.observe(False, 1, 0.002)
+    band.observe(False, 2, 0.002)
+    band.observe(False, 3, 0.002, ran_out=True)
+    assert band.prefers_plain() and not band.skip_draft()   # before its first plain round
+    band.observe(False, 1, 0.002)       # a miss: the evidence speaks
+    assert band.prefers_plain() and band.skip_draft()
+    band.observe(False, 3, 0.002, ran_out=True)             # after it, a kept draft...
+    assert band.prefers_plain() and band.skip_draft()       # ... is just evidence
 
 
 def test_auto_tells_the_fallback_which_rounds_kept_their_draft(monkeypatch, models):

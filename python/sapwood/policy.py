@@ -352,6 +352,7 @@ class PlainFallback:
         self.since_probe, self._probing = 0, False
         self._after_plain = False  # was the last observed round plain?
         self._ran_out = False  # did the last speculative round commit its whole draft?
+        self._went_plain = False  # has this request had a plain round?
         self.cap = 9
         self._spec = None  # _summarize()
 
@@ -359,7 +360,7 @@ class PlainFallback:
         """A new request, whose rounds commit at most `cap` tokens (draft rows + 1)."""
         self._tokens, self._secs, self.cap, self._spec = [], [], int(cap), None
         self.since_probe, self._probing, self._after_plain = 0, False, False
-        self._ran_out = False
+        self._ran_out = self._went_plain = False
 
     def _summarize(self) -> None:
         """What the per-round checks need from this request's speculative rounds: (their mean
@@ -398,12 +399,13 @@ class PlainFallback:
     def skip_draft(self, behind: int = 0) -> bool:
         """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
-        if len(self._tokens) < 2 or self._ran_out:
-            return False  # time speculation first; after a whole draft kept, draft again
+        if len(self._tokens) < 2 or (self._ran_out and not self._went_plain):
+            return False  # time speculation first; before a verdict, a kept draft drafts again
         if self.plain_s is None:
             return True  # then plain rounds
         if not self.prefers_plain():
             return False
+        self._went_plain = True
         self.since_probe += 1
         cost = self.probe_cost(behind)
         if self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s)):
@@ -447,6 +449,9 @@ class PlainFallback:
         # as a miss, it sent good prompts plain for the rest of the request: code-docstring's
         # replies start 9:1, 9:3, 3:3 (width:tokens), then the chain keeps 5:5, 7:7, 9:9...,
         # while auto judged (3, 3) and ran plain, 4.5-5.2K tok/s against the chain's 6.1-7.7K.
+        # Only until the request's first plain round: after it, a prompt like code-async
+        # (short drafts, often kept: 3:3, 5:2, 3:3...) ran speculative streaks after every
+        # probe, and auto's gain over the chain there fell from +38% to +3.5%.
         self._ran_out = ran_out
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
