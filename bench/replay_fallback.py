@@ -70,7 +70,7 @@ def replay_prompt(rec, mode, pf, a):
             if mode == "auto" and caught[0]:
                 pf.observe_catch_up(*caught)
         if mode == "auto" and not first:  # the first round after prefill is not observed
-            pf.observe(plain, tok, dt, caught[1], ran_out=not plain and tok == a.rows + 1)
+            pf.observe(plain, tok, dt, caught[1])
         first, after_spec = False, not plain
         pos, t = pos + tok, t + dt
     return pos / t

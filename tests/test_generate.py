@@ -524,49 +524,6 @@ def test_plain_fallback_goes_plain_only_on_clear_evidence():
     assert not _judged([1, 2] * 4, seconds=0.0004).prefers_plain()
 
 
-def test_plain_fallback_drafts_again_after_a_draft_kept_to_the_end_until_it_went_plain():
-    """A round that kept its whole (shortened) draft is not a miss: until the request's first
-    plain round the next round drafts again, whatever the evidence so far; after it the
-    evidence speaks (probes of a prompt with short, often kept drafts went on speculating)."""
-    band = _judged([1, 2] * 4)          # the band's plain rate and pooled spread
-    assert band.prefers_plain() and band.skip_draft()
-    band.begin_request(cap=9)           # a new request of the band
-    band.observe(False, 1, 0.002)
-    band.observe(False, 2, 0.002)
-    band.observe(False, 3, 0.002, ran_out=True)
-    assert band.prefers_plain() and not band.skip_draft()   # before its first plain round
-    band.observe(False, 1, 0.002)       # a miss: the evidence speaks
-    assert band.prefers_plain() and band.skip_draft()
-    band.observe(False, 3, 0.002, ran_out=True)             # after it, a kept draft...
-    assert band.prefers_plain() and band.skip_draft()       # ... is just evidence
-
-
-def test_auto_tells_the_fallback_which_rounds_kept_their_draft(monkeypatch, models):
-    """generate's `ran_out`: the walk ended at a leaf of the round's tree."""
-    target, root = models
-    seen = []
-    orig = PlainFallback.observe
-
-    def spy(self, plain, tokens, seconds, catch_up_s=0.0, ran_out=False):
-        seen[-1].append((plain, tokens, ran_out))
-        return orig(self, plain, tokens, seconds, catch_up_s, ran_out)
-
-    monkeypatch.setattr(PlainFallback, "observe", spy)
-    judged = []
-    for d in (root / "target", root / "draft"):  # long kept drafts, then short missed ones
-        seen.append([])
-        rounds = []
-        target.generate(prompt(9), max_tokens=60, verify="auto", drafter=str(d),
-                        on_round=lambda tree, path, s: rounds.append(
-                            (tree.width, len(path), not (tree.parents == path[-1]).any())))
-        assert len(seen[-1]) == len(rounds) - 1  # the first round is not judged
-        for (plain, tokens, ran_out), (width, walked, leaf) in zip(seen[-1], rounds[1:]):
-            assert plain == (width == 1) and tokens == walked
-            assert ran_out == (leaf and not plain)
-        judged += seen[-1]
-    assert any(r for _, _, r in judged) and any(not p and not r for p, _, r in judged)
-
-
 def test_plain_fallback_judges_early_rounds_with_the_bands_pooled_spread():
     """A band's earlier requests tell the spread of tokens per round; a new request's first
     rounds are judged with it (z standard errors), not with z_early of their own spread."""

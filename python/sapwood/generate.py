@@ -273,9 +273,7 @@ class Decoder:
                 round_s = time.perf_counter() - t_round
                 if cfg.verify == "auto" and mode != "off" and not first_round:
                     # the fallback judges auto's own rounds only
-                    ran_out = tree is not None and not (tree.parents == path[-1]).any()
-                    self.plain.observe(mode == "plain", len(path), round_s, self._caught_up[1],
-                                       ran_out)
+                    self.plain.observe(mode == "plain", len(path), round_s, self._caught_up[1])
                 catch_up_s = self._caught_up[1]
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too

@@ -351,8 +351,6 @@ class PlainFallback:
         self._secs: list[float] = []          # `window`): tokens committed, seconds
         self.since_probe, self._probing = 0, False
         self._after_plain = False  # was the last observed round plain?
-        self._ran_out = False  # did the last speculative round commit its whole draft?
-        self._went_plain = False  # has this request had a plain round?
         self.cap = 9
         self._spec = None  # _summarize()
 
@@ -360,7 +358,6 @@ class PlainFallback:
         """A new request, whose rounds commit at most `cap` tokens (draft rows + 1)."""
         self._tokens, self._secs, self.cap, self._spec = [], [], int(cap), None
         self.since_probe, self._probing, self._after_plain = 0, False, False
-        self._ran_out = self._went_plain = False
 
     def _summarize(self) -> None:
         """What the per-round checks need from this request's speculative rounds: (their mean
@@ -399,13 +396,12 @@ class PlainFallback:
     def skip_draft(self, behind: int = 0) -> bool:
         """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
-        if len(self._tokens) < 2 or (self._ran_out and not self._went_plain):
-            return False  # time speculation first; before a verdict, a kept draft drafts again
+        if len(self._tokens) < 2:
+            return False  # time speculation first
         if self.plain_s is None:
             return True  # then plain rounds
         if not self.prefers_plain():
             return False
-        self._went_plain = True
         self.since_probe += 1
         cost = self.probe_cost(behind)
         if self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s)):
@@ -421,11 +417,9 @@ class PlainFallback:
             old = self.catch_up_per_token
             self.catch_up_per_token = per if old is None else old + 0.3 * (per - old)
 
-    def observe(self, plain: bool, tokens: int, seconds: float, catch_up_s: float = 0.0,
-                ran_out: bool = False) -> None:
+    def observe(self, plain: bool, tokens: int, seconds: float, catch_up_s: float = 0.0) -> None:
         """A round that committed `tokens` took `seconds`, of which `catch_up_s` caught the
-        drafter up (observe_catch_up has its rate); `ran_out`: a speculative round whose walk
-        ended at a leaf, its draft kept to the end."""
+        drafter up (observe_catch_up has its rate)."""
         after_plain, self._after_plain = self._after_plain, plain
         if plain:
             # A plain round right after a speculative one also runs the GDN steps of the path
@@ -444,15 +438,6 @@ class PlainFallback:
                     t = sorted(self._plain_times)
                     self.plain_s = t[len(t) // 4]
             return
-        # A draft kept to the end says the prompt drafts well now, whatever the round's few
-        # tokens: DraftLength had shortened it after a miss and lengthens it again. Counted
-        # as a miss, it sent good prompts plain for the rest of the request: code-docstring's
-        # replies start 9:1, 9:3, 3:3 (width:tokens), then the chain keeps 5:5, 7:7, 9:9...,
-        # while auto judged (3, 3) and ran plain, 4.5-5.2K tok/s against the chain's 6.1-7.7K.
-        # Only until the request's first plain round: after it, a prompt like code-async
-        # (short drafts, often kept: 3:3, 5:2, 3:3...) ran speculative streaks after every
-        # probe, and auto's gain over the chain there fell from +38% to +3.5%.
-        self._ran_out = ran_out
         seconds = max(seconds - catch_up_s, 1e-7)
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
