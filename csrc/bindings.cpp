@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 
@@ -153,6 +154,28 @@ PYBIND11_MODULE(_core, m) {
     if (sums[0] == 42) best += 0;  // keep the loads alive
     return double(buf.size() * 8) / best;
   }, py::arg("nbytes") = size_t(1) << 29, py::arg("threads") = 0, py::arg("repeats") = 3);
+  m.def("pool_job_counts", [](int n, int threads, int repeats, int raise_at) {
+    // How many times each job of `repeats` regions of n jobs ran (the pool's contract: once
+    // each); job raise_at (when >= 0) throws in every region, which must reach the caller
+    // after the region's other jobs ran. For tests of the pool itself.
+    SW_CHECK(n >= 0 && repeats >= 1, "n=", n, " and repeats=", repeats, " must be >= 0 and >= 1");
+    std::vector<std::atomic<int>> counts(size_t(std::max(n, 1)));
+    int raised = 0;
+    py::gil_scoped_release release;
+    for (int r = 0; r < repeats; ++r) {
+      try {
+        parallel_for(n, threads, [&](int i) {
+          counts[i].fetch_add(1);
+          if (i == raise_at) throw InputError("job " + std::to_string(i));
+        });
+      } catch (const InputError&) {
+        ++raised;
+      }
+    }
+    std::vector<int> out;
+    for (int i = 0; i < n; ++i) out.push_back(counts[i].load());
+    return std::make_pair(out, raised);
+  }, py::arg("n"), py::arg("threads"), py::arg("repeats") = 1, py::arg("raise_at") = -1);
   m.def("arena_chunks", &arena_chunks,
         "Huge-page chunks the weight/KV arena holds now (huge_pages.h); for tests.");
   m.def("get_num_threads", &default_threads);
