@@ -148,8 +148,7 @@ void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& l
   const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
   float *qkv = buf(kQKV, size_t(n) * C), *z = buf(kZ, size_t(n) * V);
   float* ba = buf(kBA, size_t(n) * 2 * hv);
-  mm(h, n, {{&L.qkv, qkv}, {&L.z, z}});
-  mm(h, n, {{&L.ba, ba}});  // f32, always
+  mm(h, n, {{&L.qkv, qkv}, {&L.ba, ba}, {&L.z, z}});  // ba: f32, always
   float *beta = buf(kBeta, size_t(n) * hv), *gdec = buf(kDecay, size_t(n) * hv);
   float* o = buf(kO, size_t(n) * V);
   for (int i = 0; i < n; ++i)
