@@ -30,8 +30,9 @@ CHILD = """
 import sys, json, hashlib
 sys.path.insert(0, sys.argv[1])
 import sapwood
-prompts = [p["text"] for p in json.load(open(sys.argv[2]))["prompts"]]
-modes, max_tokens, rounds = sys.argv[3].split(","), int(sys.argv[4]), int(sys.argv[5])
+from sapwood.benchmarks.common import load_cohort
+prompts = [p["text"] for p in load_cohort()]
+modes, max_tokens, rounds = sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
 m = sapwood.load("default")
 for p in prompts[:4]:  # warm-up, not timed
     for md in modes:
@@ -53,9 +54,8 @@ print(json.dumps({"tok_s": {md: tokens[md] / secs[md] for md in modes},
 
 
 def run_child(pkg_dir: str, modes: str, max_tokens: int, rounds: int) -> dict:
-    cohort = Path(__file__).with_name("cohort.json")
-    out = subprocess.run([sys.executable, "-c", CHILD, pkg_dir, str(cohort), modes,
-                          str(max_tokens), str(rounds)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, pkg_dir, modes, str(max_tokens),
+                          str(rounds)], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"child for {pkg_dir} failed:\n{out.stderr}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,9 +77,12 @@ def load_as(name: str, pkg_dir: str):
 
 
 def in_process(a, modes):
-    import numpy as np
-    prompts = [p["text"] for p in json.load(open(Path(__file__).with_name("cohort.json")))["prompts"]]
+    import importlib
     models = {k: load_as(f"sapwood_{k}", getattr(a, k)).load("default") for k in ("old", "new")}
+    # the old build's helpers: importing the installed sapwood here would load a third _core
+    common = importlib.import_module("sapwood_old.benchmarks.common")
+    geomean = common.geomean
+    prompts = [p["text"] for p in common.load_cohort()]
     for md in modes:
         for p in prompts[:3]:  # warm-up, not timed
             for m in models.values():
@@ -97,9 +100,9 @@ def in_process(a, modes):
                     tok[k][0] += g.stats.tokens - 1
                     tok[k][1] += g.stats.decode_s
                 ratios.append((tok["new"][0] / tok["new"][1]) / (tok["old"][0] / tok["old"][1]))
-        r = np.log(np.array(ratios).reshape(a.blocks, len(prompts)))
-        per_block = np.exp(r.mean(1))
-        print(f"{md}: new/old decode geomean x{np.exp(r.mean()):.3f}, per block "
+        per_block = [geomean(ratios[b * len(prompts):(b + 1) * len(prompts)])
+                     for b in range(a.blocks)]
+        print(f"{md}: new/old decode geomean x{geomean(ratios):.3f}, per block "
               f"{' '.join(f'x{x:.3f}' for x in per_block)}", flush=True)
 
 

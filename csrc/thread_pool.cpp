@@ -114,11 +114,11 @@ class Pool {
   // A participant's jobs [lo, hi), packed in one word: its owner takes from the front, a
   // participant that ran out of its own takes from the back. One shared job counter made
   // every claim move a cache line between the cores (a verify(9) of the bundled target
-  // claims ~650 jobs in 47 regions, a cross-core round trip here is 140-250 ns); an owner's
-  // claims on its own line stay in its cache, and only a region's last jobs move. Bundled
-  // pair, one process, both builds alternated ABBA (13 cohort prompts x 128 tokens, 4
-  // blocks): decode off x1.055, chain x1.119, auto x1.069, every block faster; verify(9)
-  // x0.94, verify(1) x0.97-0.99 a call.
+  // claims ~640 jobs in 47 regions, counted in an instrumented build; a cross-core round trip
+  // here is 140-250 ns); an owner's claims on its own line stay in its cache, and only a
+  // region's last jobs move. Bundled pair, both builds in one process alternated ABBA
+  // (bench/ab_builds.py --in-process; 13 cohort prompts x 128 tokens, 4 blocks): decode off
+  // x1.055, chain x1.119, auto x1.069, every block faster (an A/A of two builds: x0.99).
   struct alignas(64) JobRange {
     std::atomic<uint64_t> lo_hi{0};
     void set(int lo, int hi) { lo_hi.store(uint64_t(uint32_t(hi)) << 32 | uint32_t(lo)); }
