@@ -2,7 +2,8 @@
 parameters without the noise of live A/Bs.
 
     python bench/replay_fallback.py record [--out rounds.json] [--depths 2048 8192]
-    python bench/replay_fallback.py replay rounds.json [--z 2 --z-early 4 --min-rounds 8 --pooled-rounds 16 ...]
+    python bench/replay_fallback.py replay rounds.json [--z 2 --z-early 4 --min-rounds 8 --pooled-rounds 16
+                                                        --prior-requests 3 ...]
 
 record: for each cohort prompt (and the width study's context at each --depths), the rounds of
 a greedy chain request (tokens committed, seconds) and the plain decode rate.
@@ -78,7 +79,8 @@ def replay_prompt(rec, mode, pf, a):
 
 def replay(a):
     rec = json.load(open(a.rounds))
-    kw = dict(z=a.z, z_early=a.z_early, min_rounds=a.min_rounds, pooled_rounds=a.pooled_rounds)
+    kw = dict(z=a.z, z_early=a.z_early, min_rounds=a.min_rounds, pooled_rounds=a.pooled_rounds,
+              prior_requests=a.prior_requests, recent_requests=a.recent_requests)
     cohort = [p for p in rec if not p.startswith("depth")]
     depths = [p for p in rec if p.startswith("depth")]
     # the cohort shares one band; each depth is its own band, asked `passes` times (as the
@@ -118,6 +120,9 @@ def main():
     rp.add_argument("--min-rounds", type=int, default=8)
     rp.add_argument("--pooled-rounds", type=int, default=16,
                     help="rounds judged with the band's pooled spread (0: the request's own)")
+    rp.add_argument("--prior-requests", type=int, default=3,
+                    help="recent requests before a band's mean may start requests plain (0: never)")
+    rp.add_argument("--recent-requests", type=int, default=8)
     rp.add_argument("--passes", type=int, default=3)
     rp.add_argument("--verbose", action="store_true")
     rp.add_argument("--max-tokens", type=int, default=128)

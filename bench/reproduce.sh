@@ -17,6 +17,8 @@ python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $
 # the 2-core Xeon's recording of stop 18 (chain rounds ~4.75 plain tokens): policy changes are
 # replayed on both machines' rounds
 python bench/replay_fallback.py replay $R/fallback_rounds_xeon.json --verbose | tee $R/fallback_replay_xeon.txt
+# and the 2-core Zen 3 (AVX2 only, no VNNI) of stop 27, where verify(9) costs ~5.8 verify(1)
+python bench/replay_fallback.py replay $R/fallback_rounds_zen3_avx2.json --verbose | tee $R/fallback_replay_zen3_avx2.txt
 GGUF=()
 if [ -n "${LLAMA_CPP:-}" ]; then
   for t in q8_0 f32; do

@@ -562,6 +562,59 @@ def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
     assert rule.plain_fallback(50000) is not rule.plain_fallback(100)
 
 
+def _requests_lost(pf, n, tokens=2, seconds=0.002):
+    """n requests in pf's band whose speculative rounds (3 each) lost to plain rounds."""
+    for _ in range(n):
+        pf.begin_request(cap=9)
+        for _ in range(3):
+            pf.observe(False, tokens, seconds)
+
+
+def test_plain_fallback_starts_plain_after_requests_that_all_lost():
+    """A band whose last prior_requests requests all lost with speculation starts the next
+    request plain; it probes after first_probe plain rounds, and a probe that beats plain hands
+    the request back to its own judgement."""
+    pf = PlainFallback()
+    pf.plain_s = 0.0005                 # 2000 tokens/s
+    _requests_lost(pf, pf.prior_requests - 1)   # 1000 tokens/s each
+    pf.begin_request(cap=9)
+    assert not pf.prior_plain and not pf.skip_draft()   # not enough of them yet
+    _requests_lost(pf, 1)
+    pf.begin_request(cap=9)
+    assert pf.prior_plain and pf.prefers_plain()
+    skips = [pf.skip_draft() for _ in range(pf.first_probe)]
+    assert skips == [True] * (pf.first_probe - 1) + [False]  # the probe
+    pf.observe(False, 9, 0.002)         # 4500 tokens/s: beats plain
+    assert not pf.prior_plain and not pf.skip_draft()
+    # a losing probe keeps the request plain until the next one is due
+    _requests_lost(pf, pf.recent_requests)
+    pf.begin_request(cap=9)
+    assert [pf.skip_draft() for _ in range(pf.first_probe)][-1] is False
+    pf.observe(False, 1, 0.002)
+    assert pf.prior_plain and pf.skip_draft()
+
+
+def test_plain_fallback_speculates_first_after_any_recent_win():
+    pf = _judged([1, 2] * 4)            # plain_s 0.5 ms; this request lost too
+    _requests_lost(pf, pf.recent_requests)
+    _requests_lost(pf, 1, tokens=9)     # one recent request won (4500 tokens/s)
+    pf.begin_request(cap=9)
+    assert not pf.prior_plain and not pf.skip_draft()
+    # a request with a single speculative round is not counted (its rate says little)
+    pf = PlainFallback()
+    pf.plain_s = 0.0005
+    for _ in range(pf.recent_requests):
+        pf.begin_request(cap=9)
+        pf.observe(False, 1, 0.002)
+    pf.begin_request(cap=9)
+    assert pf.recent_rates == [] and not pf.prior_plain
+    never = PlainFallback(prior_requests=0)
+    never.plain_s = 0.0005
+    _requests_lost(never, 10)
+    never.begin_request(cap=9)
+    assert not never.prior_plain and not never.skip_draft()
+
+
 def test_width_rule_builds_trees_only_while_they_pay():
     rule = WidthRule(tree_explore_every=4)
     # nothing measured: chains first, trees explored one eligible round in 4

@@ -331,11 +331,14 @@ class PlainFallback:
     a speculative round's excess over plain rounds plus the catch-up (tokens behind x the
     drafter's measured time per token), and are spaced to cost at most `budget` of the time,
     at least `first_probe` plain rounds apart. A probe that beats plain starts the judgement
-    afresh. Output is unaffected: a plain round is a width-1 tree."""
+    afresh. The verdict itself crosses requests only one way: after `prior_requests` or more
+    requests of the band that all lost with speculation, the next starts plain and probes
+    (begin_request). Output is unaffected: a plain round is a width-1 tree."""
 
     def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
                  z: float = 2.0, z_early: float = 4.0, window: int = 16, pooled_rounds: int = 16,
-                 pooled_decay: float = 0.98, pooled_min: float = 8.0, plain_samples: int = 8):
+                 pooled_decay: float = 0.98, pooled_min: float = 8.0, plain_samples: int = 8,
+                 recent_requests: int = 8, prior_requests: int = 3):
         self.budget, self.first_probe, self.min_rounds = budget, first_probe, min_rounds
         self.z, self.z_early, self.window = z, z_early, window
         self.pooled_rounds, self.pooled_decay = pooled_rounds, pooled_decay
@@ -353,11 +356,35 @@ class PlainFallback:
         self._after_plain = False  # was the last observed round plain?
         self.cap = 9
         self._spec = None  # _summarize()
+        # across requests: the speculative tokens/s of each recent request (its judged rounds
+        # and probes, `recent_requests` of them); a request starts plain when every one of
+        # them lost to plain rounds, once `prior_requests` are in (0: never); see begin_request
+        self.recent_requests, self.prior_requests = recent_requests, prior_requests
+        self.recent_rates: list[float] = []
+        self._req = [0, 0.0, 0]  # this request's speculative tokens, seconds, rounds
+        self.prior_plain = False
 
     def begin_request(self, cap: int = 9) -> None:
         """A new request, whose rounds commit at most `cap` tokens (draft rows + 1)."""
+        tokens, secs, rounds = self._req
+        if rounds >= 2:  # the last request's speculative rate (one round says little)
+            self.recent_rates.append(tokens / secs)
+            del self.recent_rates[:-self.recent_requests]
+        self._req = [0, 0.0, 0]
         self._tokens, self._secs, self.cap, self._spec = [], [], int(cap), None
         self.since_probe, self._probing, self._after_plain = 0, False, False
+        # Start plain (and probe after first_probe rounds) when the band's recent requests all
+        # lost with speculation: a request's own judgement costs 3-5 speculative rounds, which
+        # on a machine where verifying is dear is most of what auto loses on a short request.
+        # Every request, not their mean: with the mean, prompts where the draft wins started
+        # plain too and waited for a probe. Replayed (bench/replay_fallback.py, cohort band,
+        # third pass), auto vs plain: 2-core Zen 3 AVX2 x0.885 -> x0.899 (vs the chain x1.109
+        # -> x1.127); the Zen 5 (both spins) and Xeon recordings unchanged. With the mean: Zen 3
+        # x0.921, but Zen 5 x0.978 -> x0.931 (its worst prompt against the chain x0.743).
+        rates = self.recent_rates
+        self.prior_plain = (self.prior_requests > 0 and self.plain_s is not None
+                            and len(rates) >= self.prior_requests
+                            and max(rates) * self.plain_s < 1.0)
 
     def _summarize(self) -> None:
         """What the per-round checks need from this request's speculative rounds: (their mean
@@ -382,11 +409,15 @@ class PlainFallback:
         """Would the next round be plain (nothing probed)? Yes when even rounds committing
         `cap` tokens would lose to plain ones (a deep context makes a wide verify cost several
         plain steps), or when the optimistic bound of the speculative rate does."""
-        if self._spec is None or self.plain_s is None:
+        if self.plain_s is None:
             return False
+        if self._spec is None:
+            return self.prior_plain
         rate = 1.0 / self.plain_s
         _, _, full_rate, bound = self._spec
-        return full_rate < rate or (bound is not None and bound < rate)
+        if full_rate < rate:
+            return True
+        return self.prior_plain if bound is None else bound < rate
 
     def probe_cost(self, behind: int) -> float:
         """Seconds a probe costs beyond plain rounds emitting the same tokens."""
@@ -396,14 +427,14 @@ class PlainFallback:
     def skip_draft(self, behind: int = 0) -> bool:
         """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
-        if len(self._tokens) < 2:
+        if len(self._tokens) < 2 and not self.prior_plain:
             return False  # time speculation first
         if self.plain_s is None:
             return True  # then plain rounds
         if not self.prefers_plain():
             return False
         self.since_probe += 1
-        cost = self.probe_cost(behind)
+        cost = 0.0 if self._spec is None else self.probe_cost(behind)
         if self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s)):
             self.since_probe, self._probing = 0, True
             return False
@@ -439,8 +470,12 @@ class PlainFallback:
                     self.plain_s = t[len(t) // 4]
             return
         seconds = max(seconds - catch_up_s, 1e-7)
+        self._req[0] += int(tokens)
+        self._req[1] += seconds
+        self._req[2] += 1
         if self._probing and tokens / seconds >= 1.0 / self.plain_s:
             self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
+            self.prior_plain = False  # this prompt's own rounds decide from here
         if self._tokens:  # the pooled spread: this round's deviation from the request's mean
             n, d = len(self._tokens), self.pooled_decay
             dev = tokens - sum(self._tokens) / n
