@@ -49,3 +49,30 @@ def test_identical_in_every_verify_mode(default, temperature):
         assert r.text == base.text
     if temperature == 0.0:  # the bundled draft predicts the target: chain rounds keep rows
         assert runs[("chain", None, None)].stats.tokens_per_cycle > 1.5
+
+
+def test_cache_prompt_restores_the_draft_models_prompt_too(default):
+    """cache_prompt=True: an identical prompt's committed state is restored in the target and
+    in the draft model (their snapshots are reused, not retaken), and the restored draft
+    proposes the very trees a prefilled one does; restored tokens are not timed as a catch-up."""
+    prompt = "def merge(a, b):\n    result = []\n"
+    ids = default.encode(prompt)
+
+    def run(cache):
+        trees = []
+        r = default.generate(prompt, verify="chain", adapt_rows=False, max_tokens=32,
+                             cache_prompt=cache,
+                             on_round=lambda t, p, s: trees.append(([int(x) for x in t.tokens], list(p))))
+        return r.tokens, trees
+
+    reference = run(False)
+    first = run(True)
+    assert default.draft.prompt_cached(ids) and default.prompt_cached(ids)
+    snaps = default._prompt_cache[1], default.draft._prompt_cache[1]
+    pf = default.width_rule(default.resolve_drafter(None)).plain_fallback(len(ids))
+    per_token = pf.catch_up_per_token
+    second = run(True)
+    assert default._prompt_cache[1] is snaps[0] and default.draft._prompt_cache[1] is snaps[1]  # restored
+    assert pf.catch_up_per_token == per_token
+    assert len(reference[1]) > 1 and reference == first == second
+    assert not default.draft.prompt_cached(ids[:-1])

@@ -314,13 +314,15 @@ class Decoder:
         probes with it, and leaves it out of the round's own time."""
         if not self._behind:
             return
-        t = time.perf_counter()
+        t, restored = time.perf_counter(), 0
         if hasattr(self.drafter, "sync"):
-            self.drafter.sync(self.context)
+            restored = self.drafter.sync(self.context) or 0
         else:
             self.drafter.advance(self._unsent)
         self._caught_up = (self._behind, time.perf_counter() - t)
-        self.plain.observe_catch_up(*self._caught_up)
+        # tokens restored from a prompt cache cost next to nothing: they would make the
+        # catch-ups that probes pay (prefills of skipped tokens) look cheap
+        self.plain.observe_catch_up(self._behind - restored, self._caught_up[1])
         if self._prompt_pending:
             self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0

@@ -117,7 +117,8 @@ class Model:
         Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
         generator yielding token ids as they are committed, then the result via StopIteration.
         cache_prompt=True restores the committed state of an identical previous prompt
-        instead of prefilling it again (benchmarks of long contexts use it).
+        instead of prefilling it again, the target's and a draft model's (benchmarks of long
+        contexts use it).
         """
         from .generate import DecodeConfig, Decoder
         from .sampling import SamplingParams
@@ -133,6 +134,8 @@ class Model:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         d = None if verify == "off" else self.resolve_drafter(drafter)
+        if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
+            d.prompt_cache_len = len(ids) if cache_prompt else 0
         self.engine.reset()
         dec = Decoder(self.engine, d, cfg, rule=self.width_rule(d), on_round=on_round)
 
@@ -159,6 +162,11 @@ class Model:
                 next(gen)
         except StopIteration as fin:
             return fin.value
+
+    def prompt_cached(self, ids) -> bool:
+        """Would _cached_prefill(ids) restore a snapshot instead of prefilling?"""
+        cache = getattr(self, "_prompt_cache", None)
+        return cache is not None and cache[0] == list(ids)
 
     def _cached_prefill(self, ids):
         cache = getattr(self, "_prompt_cache", None)
