@@ -438,6 +438,30 @@ class WrongDrafter:
                        logprobs=[np.log([0.9])] * rows)
 
 
+class RowsDrafter(LookupDrafter):
+    """Prompt lookup that records how many rows each round asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def draft(self, context, root, rows):
+        self.asked.append(rows)
+        return super().draft(context, root, rows)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 16])
+def test_tree_of_width_w_drafts_at_most_w_minus_1_rows(models, width):
+    """Rows past a tree's reach are not drafted; the output is plain decoding's either way."""
+    target, _ = models
+    p = prompt(12, seed=5) * 3  # repeats: the lookup finds matches
+    off = target.generate(p, max_tokens=40, verify="off").tokens
+    d = RowsDrafter()
+    r = target.generate(p, max_tokens=40, verify="tree", width=width, drafter=d, rows=8)
+    assert r.tokens == off
+    assert d.asked and max(d.asked) == min(8, width - 1) if width > 1 else not d.asked
+
+
 def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
     """A drafter that is always wrong: after a few speculative rounds auto measures a plain
     round, finds it faster per token and keeps to plain rounds, probing now and then. Output

@@ -158,6 +158,10 @@ class Decoder:
         rows = self.cfg.rows
         if self.cfg.adapt_rows and mode != "tree":
             rows = self.draft_len.rows(self._verify_slope())
+        if mode == "tree" and self.cfg.width:
+            # a tree of w nodes reaches depth w - 1 at most: rows past it would never be
+            # verified (and a row's candidates do not depend on the rows after it)
+            rows = min(rows, self.cfg.width - 1)
         rows = min(rows, room - 1)
         if rows <= 0:
             return _root_tree(root), False, None
