@@ -121,8 +121,10 @@ def main():
     rp.add_argument("--pooled-rounds", type=int, default=16,
                     help="rounds judged with the band's pooled spread (0: the request's own)")
     rp.add_argument("--prior-requests", type=int, default=3,
-                    help="recent requests before a band's mean may start requests plain (0: never)")
-    rp.add_argument("--recent-requests", type=int, default=8)
+                    help="recent requests, all lost with speculation, before a band starts requests plain "
+                         "(0: never)")
+    rp.add_argument("--recent-requests", type=int, default=8,
+                    help="how many of the band's latest requests that judgement looks at")
     rp.add_argument("--passes", type=int, default=3)
     rp.add_argument("--verbose", action="store_true")
     rp.add_argument("--max-tokens", type=int, default=128)

@@ -169,8 +169,8 @@ class Model:
         return cache is not None and cache[0] == list(ids)
 
     def _cached_prefill(self, ids):
-        cache = getattr(self, "_prompt_cache", None)
-        if cache is not None and cache[0] == ids:
+        if self.prompt_cached(ids):
+            cache = self._prompt_cache
             self.engine.restore(cache[1])
             return cache[2]
         logits = self.engine.prefill(ids)
