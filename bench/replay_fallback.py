@@ -3,7 +3,7 @@ parameters without the noise of live A/Bs.
 
     python bench/replay_fallback.py record [--out rounds.json] [--depths 2048 8192]
     python bench/replay_fallback.py replay rounds.json [--z 2 --z-early 4 --min-rounds 8 --pooled-rounds 16
-                                                        --prior-requests 3 ...]
+                                                        --prior-requests 3 ...] [--fresh]
 
 record: for each cohort prompt (and the width study's context at each --depths), the rounds of
 a greedy chain request (tokens committed, seconds) and the plain decode rate.
@@ -17,7 +17,9 @@ and a per-token part) and --overhead (auto's extra Python a speculative round). 
 prompts share one policy object in cohort order, as a server's band would; each depth is a
 band of its own asked again and again, as the width study does (--passes rounds of all of it).
 Reported for the first and the last pass: auto against the chain (geometric mean, worst
-prompt, prompts below 0.98) and against plain decoding.
+prompt, prompts below 0.98) and against plain decoding. --fresh instead replays every prompt
+(the depths too) as the first request of a fresh process, a policy with no history: auto
+against the better of the chain and plain decoding on that prompt, and against plain.
 """
 import argparse
 import json
@@ -77,10 +79,27 @@ def replay_prompt(rec, mode, pf, a):
     return pos / t
 
 
+def replay_fresh(rec, kw, a):
+    """Every prompt as the first request of a fresh process (a policy with no history)."""
+    rows = []
+    for pid in rec:
+        r = {m: replay_prompt(rec[pid], m, PlainFallback(**kw) if m == "auto" else None, a)
+             for m in ("chain", "off", "auto")}
+        rows.append((pid, r["auto"] / max(r["chain"], r["off"]), r["auto"] / r["off"]))
+        if a.verbose:
+            print(f"  {pid:>18}: auto/best {rows[-1][1]:.3f}  auto/off {rows[-1][2]:.3f}")
+    best = [b for _, b, _ in rows]
+    print(f"fresh {kw}: auto vs the better of chain and off x{np.exp(np.mean(np.log(best))):.3f}, "
+          f"worst x{min(best):.3f} ({rows[int(np.argmin(best))][0]}); auto vs off "
+          f"x{np.exp(np.mean(np.log([o for _, _, o in rows]))):.3f}")
+
+
 def replay(a):
     rec = json.load(open(a.rounds))
     kw = dict(z=a.z, z_early=a.z_early, min_rounds=a.min_rounds, pooled_rounds=a.pooled_rounds,
               prior_requests=a.prior_requests, recent_requests=a.recent_requests)
+    if a.fresh:
+        return replay_fresh(rec, kw, a)
     cohort = [p for p in rec if not p.startswith("depth")]
     depths = [p for p in rec if p.startswith("depth")]
     # the cohort shares one band; each depth is its own band, asked `passes` times (as the
@@ -125,6 +144,8 @@ def main():
                          "(0: never)")
     rp.add_argument("--recent-requests", type=int, default=8,
                     help="how many of the band's latest requests that judgement looks at")
+    rp.add_argument("--fresh", action="store_true",
+                    help="each prompt as the first request of a fresh process")
     rp.add_argument("--passes", type=int, default=3)
     rp.add_argument("--verbose", action="store_true")
     rp.add_argument("--max-tokens", type=int, default=128)
