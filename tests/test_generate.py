@@ -439,15 +439,21 @@ class WrongDrafter:
 
 
 class RowsDrafter(LookupDrafter):
-    """Prompt lookup that records how many rows each round asked for."""
+    """Prompt lookup that records how many rows each round asked for, and how many committed
+    tokens it was given through advance()."""
 
     def __init__(self):
         super().__init__()
         self.asked = []
+        self.advanced = 0
 
     def draft(self, context, root, rows):
         self.asked.append(rows)
         return super().draft(context, root, rows)
+
+    def advance(self, committed):
+        self.advanced += len(committed)
+        super().advance(committed)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 16])
@@ -461,6 +467,7 @@ def test_tree_of_width_w_drafts_at_most_w_minus_1_rows(models, width):
     assert r.tokens == off
     if width == 1:
         assert not d.asked  # the root alone: nothing to draft
+        assert d.advanced == 0  # and nothing to keep the drafter up to date for
     else:
         assert d.asked and max(d.asked) == min(8, width - 1)
 
