@@ -2,7 +2,8 @@
 narrower prefix w = 1..W would have accepted (exact by the prefix property: the accepted path
 at width w is the wide path cut at the first node >= w), time forced-width runs, and compare
 the width rule against the best fixed width; the first request of a fresh process (no cost
-or acceptance history) is reported separately.
+or acceptance history) is reported separately, paired side by side with the best fixed width.
+Each depth starts from a fresh rule.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike.
     #    The model keeps one width rule, so the rule arm also learns from the forced arms'
     #    rounds (as a long-running server would from its traffic); the first request of a
-    #    fresh rule is measured apart, in main().
+    #    fresh rule is measured apart, in first_requests().
     arms = list(range(1, max_width + 1)) + ["rule", "plain"]  # plain: no draft, a reference
     tps = {arm: [] for arm in arms}
     widths = arms[:-2]
@@ -117,6 +118,30 @@ def plot(results, path):
     return str(path)
 
 
+def first_requests(model, ids, best_width, a) -> dict:
+    """The first request of a fresh rule (no cost or acceptance history) against the best fixed
+    width, `reps` pairs side by side in alternating order (ABBA): on a shared machine a ratio
+    of medians taken minutes apart swung 0.6-1.2 between runs; paired, each ratio sees the same
+    minute of the machine. The process is warm (allocations, first touches, the draft model's
+    first forwards, the prompt in both prompt caches), not the rule."""
+    gen = dict(max_tokens=a.max_tokens, drafter=a.drafter, temperature=a.temperature,
+               cache_prompt=True)
+    first, fixed = [], []
+    for rep in range(a.reps):
+        for arm in (("rule", "fixed") if rep % 2 == 0 else ("fixed", "rule")):
+            if arm == "rule":
+                model.reset_width_rules()
+                r = model.generate(ids, verify="auto", width=a.max_width, **gen)
+                first.append(r.stats.decode_tokens_per_s)
+            else:
+                r = model.generate(ids, verify="tree", width=best_width, **gen)
+                fixed.append(r.stats.decode_tokens_per_s)
+    model.reset_width_rules()  # the next depth's study starts from no history either
+    paired = [f / b for f, b in zip(first, fixed)]
+    return {"rule_tokens_per_s": first, "fixed_tokens_per_s": fixed,
+            "ratio_paired": {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}}
+
+
 def main(a) -> int:
     import sapwood
 
@@ -130,26 +155,22 @@ def main(a) -> int:
            "max_width": a.max_width, "max_tokens": a.max_tokens, "reps": a.reps,
            "first_request": {}, "depths": []}
     prompt_of = {d: all_ids[:max(d, 1)] for d in a.depths}
-    # The first request of a fresh process: the rule starts from its priors (no cost or
-    # acceptance history), `reps` times per depth, each with a fresh rule. The process is
-    # warmed first (allocations, first touches, the draft model's first forwards), not the
-    # rule: the fixed-width arms it is compared with run later, in a warm process.
     model.generate(prompt_of[a.depths[0]], verify="chain", drafter=a.drafter, max_tokens=16,
-                   cache_prompt=True)
+                   cache_prompt=True)  # warm-up
     for d in a.depths:
-        out["first_request"][d] = []
-        for _ in range(a.reps):
-            model.reset_width_rules()
-            r = model.generate(prompt_of[d], verify="auto", width=a.max_width, max_tokens=a.max_tokens,
-                               drafter=a.drafter, temperature=a.temperature, cache_prompt=True)
-            out["first_request"][d].append(r.stats.decode_tokens_per_s)
-    model.reset_width_rules()
-    for d in a.depths:
+        model.reset_width_rules()
         res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature,
                           a.reps, print)
-        first = float(np.median(out["first_request"][d]))
-        res["first_request_rule_tokens_per_s"] = first
-        res["first_request_ratio"] = first / res["best_fixed_tokens_per_s"]
+        # The first request of a fresh process, after the study has found the best fixed width
+        first = first_requests(model, prompt_of[d], res["best_fixed_width"], a)
+        out["first_request"][d] = first["rule_tokens_per_s"]
+        res["first_request_rule_tokens_per_s"] = float(np.median(first["rule_tokens_per_s"]))
+        res["first_request_fixed_tokens_per_s"] = first["fixed_tokens_per_s"]
+        res["first_request_ratio"] = first["ratio_paired"]["median"]
+        res["first_request_ratio_range"] = first["ratio_paired"]["range"]
+        print(f"depth {d:>6}: first request of a fresh rule / fixed w={res['best_fixed_width']}, "
+              f"paired: x{res['first_request_ratio']:.3f} "
+              f"[{res['first_request_ratio_range'][0]:.3f}, {res['first_request_ratio_range'][1]:.3f}]")
         out["depths"].append(res)
     print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio  plain_tok/s  rule/plain")
     for r in out["depths"]:
