@@ -13,7 +13,7 @@ import sapwood
 from sapwood.loading import check_weights, engine_dims, read_checkpoint
 from sapwood.reference.model import ModelConfig, expected_shapes
 from sapwood.safetensors_io import load_checkpoint_weights, read_safetensors
-from sapwood.testing import _save_bf16, make_tiny_checkpoint, make_tokenizer
+from sapwood.testing import save_bf16, make_tiny_checkpoint, make_tokenizer
 
 needs_engine = pytest.mark.skipif(not hasattr(sapwood._core, "Engine"), reason="engine not built yet")
 
@@ -62,7 +62,7 @@ def test_bf16_exact(tmp_path):
     # values whose low 16 bits are zero are exactly bf16: the round trip must be bit exact
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((4, 6)).astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
-    _save_bf16({"w": x, "v": x[0]}, tmp_path / "b.safetensors", {"format": "pt"})
+    save_bf16({"w": x, "v": x[0]}, tmp_path / "b.safetensors", {"format": "pt"})
     got = read_safetensors(tmp_path / "b.safetensors")
     assert got["w"].dtype == np.float32 and np.array_equal(got["w"].view(np.uint32), x.view(np.uint32))
     assert np.array_equal(got["v"], x[0])

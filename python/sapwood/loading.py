@@ -160,6 +160,10 @@ def default_draft_path() -> Path:
     return _bundled("draft")
 
 
+def default_target_path() -> Path:
+    return _bundled("target")
+
+
 def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", threads=None,
          max_context: int = 4096) -> Model:
     """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`;

@@ -141,7 +141,7 @@ def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def _save_bf16(weights: dict, filename, metadata: dict) -> None:
+def save_bf16(weights: dict, filename, metadata: dict) -> None:
     """Write a bfloat16 safetensors file by hand (numpy has no bfloat16): an 8-byte little-endian
     header length, a JSON header of dtype/shape/byte offsets, then the data. float32 -> bf16
     rounds to nearest even (no NaNs in random weights)."""
@@ -220,7 +220,7 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     if dtype == "bfloat16":
-        _save_bf16(weights, path / "model.safetensors", meta)
+        save_bf16(weights, path / "model.safetensors", meta)
     else:  # save_file writes raw memory: arrays must be C-contiguous
         save_file({n: np.ascontiguousarray(x, dtype) for n, x in weights.items()},
                   str(path / "model.safetensors"), metadata=meta)
