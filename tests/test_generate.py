@@ -669,6 +669,23 @@ def test_width_rule_builds_trees_only_while_they_pay():
     assert not any(never.trees_pay() for _ in range(20))
 
 
+def test_width_rule_always_grows_trees_when_rounds_are_long():
+    """Growing a tree costs ~0.2 ms of Python: gated while rounds are short, always done
+    (choose_tree then prices tree against chain) once rounds take grow_free_s or more, even
+    after trees lost; short rounds bring the gate back."""
+    rule = WidthRule(tree_explore_every=4, grow_free_s=5e-3)
+    rule.observe_round(True, 9, 0.002, grown=False)
+    rule.observe_round(False, 5, 0.003, grown=True)  # trees lose
+    assert not all(rule.trees_pay() for _ in range(8))
+    for _ in range(30):
+        rule.observe_round(True, 9, 0.020, grown=False)  # a large target: 20 ms rounds
+        rule.observe_round(False, 5, 0.030, grown=True)  # trees still lose on rate
+    assert all(rule.trees_pay() for _ in range(8))
+    for _ in range(60):
+        rule.observe_round(True, 9, 0.001, grown=False)
+    assert not all(rule.trees_pay() for _ in range(8))
+
+
 def test_growing_a_tree_that_ends_a_chain_counts_against_growing():
     """Rounds that grew a tree and then chose the chain pay for the growth: they count as
     grown, so growing stops when it buys nothing; rounds the EMA kept a chain do not count."""

@@ -503,6 +503,7 @@ class WidthRule:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     fallbacks: dict = field(default_factory=dict)  # context band -> PlainFallback
     tree_explore_every: int = 16  # trees_pay()
+    grow_free_s: float = 5e-3  # trees_pay(): rounds this long always grow a tree
     round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
     # is_chain -> decayed sums over rounds of that shape: (predicted E, committed tokens) of
     # rounds choose_tree chose, seeded as 10 tokens each
@@ -512,6 +513,7 @@ class WidthRule:
     _predicted: float | None = None  # E of the tree choose_tree returned last
     _since_wide: int = 0
     _tree_gap: int = 0  # eligible rounds from one tree exploration to the next (0: not yet)
+    _round_s: float | None = None  # decayed mean seconds of a speculative round
 
     def plain_fallback(self, ctx: int, cap: int = 9) -> PlainFallback:
         """The PlainFallback of ctx's band, ready for a new request (rounds of at most `cap`
@@ -572,6 +574,12 @@ class WidthRule:
         chains (non-english, code-class; 12 alternated requests each). Until grown rounds are
         measured, chains (as the admission EMA starts): exploring trees at once cost a fresh
         process's first 64-token request at depth 1 two tree rounds, ~4% of its time."""
+        # The gate saves growing's Python, which only matters while rounds are short: with the
+        # bundled target padded to 244M (~10 ms a token on a 2-core Zen 3) it kept auto on
+        # chains where fixed width 5 beat them (width study, depth 1: rule x0.833 of the best
+        # fixed width; growing every round: x0.992; chain -> auto x1.020 -> x1.032)
+        if self._round_s is not None and self._round_s >= self.grow_free_s:
+            return True
         (gt, gs), (ct, cs) = self._rates[True], self._rates[False]
         if gs > 0.0 and cs > 0.0 and gt / gs >= ct / cs:
             self._tree_gap = self.tree_explore_every
@@ -602,3 +610,6 @@ class WidthRule:
         if seconds is not None and grown is not None:
             t, s = self._rates[grown]
             self._rates[grown] = (d * t + tokens, d * s + seconds)
+        if seconds is not None:
+            r = self._round_s
+            self._round_s = seconds if r is None else d * r + (1 - d) * seconds
