@@ -574,10 +574,9 @@ class WidthRule:
         chains (non-english, code-class; 12 alternated requests each). Until grown rounds are
         measured, chains (as the admission EMA starts): exploring trees at once cost a fresh
         process's first 64-token request at depth 1 two tree rounds, ~4% of its time."""
-        # The gate saves growing's Python, which only matters while rounds are short: with the
-        # bundled target padded to 244M (~10 ms a token on a 2-core Zen 3) it kept auto on
-        # chains where fixed width 5 beat them (width study, depth 1: rule x0.833 of the best
-        # fixed width; growing every round: x0.992; chain -> auto x1.020 -> x1.032)
+        # The gate saves growing's Python, which matters only while rounds are short: on the
+        # bundled target padded to 244M (2-core Zen 3) it kept auto on chains where width 5
+        # won (width study, depth 1: rule x0.833 of the best fixed width, growing x0.917-0.992)
         if self._round_s is not None and self._round_s >= self.grow_free_s:
             return True
         (gt, gs), (ct, cs) = self._rates[True], self._rates[False]
