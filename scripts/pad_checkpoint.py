@@ -6,8 +6,9 @@ realistic model's cost with a trained pair's real acceptance.
 SRC: a Qwen3.5 checkpoint directory ("default": the bundled target). DST gets:
 - a wider MLP: gate and up rows past the original intermediate size are zero (silu(0) * 0 = 0),
   down's columns past it zero;
-- extra layers appended, each a copy of an original layer of the same type (so they compute on
-  real values: the attention layers fill their KV cache, the GDN layers evolve their state)
+- extra layers appended, layer j a copy of layer j % n (the pattern of layer types goes on, and
+  they compute on real values: the attention layers fill their KV cache, the GDN layers evolve
+  their state)
   with its mixer's output projection and its MLP's down projection zero: they add exactly 0.0
   to the residual stream.
 The hidden size stays (RMSNorm's mean would change with it), so the padded model's logits are
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from sapwood.loading import default_target_path
+from sapwood.reference.model import ModelConfig
 from sapwood.safetensors_io import load_checkpoint_weights
 from sapwood.testing import save_bf16
 
@@ -37,17 +39,9 @@ _OUTPUT_PROJ = {"linear_attention": "linear_attn.out_proj.weight",
                 "full_attention": "self_attn.o_proj.weight"}
 
 
-def layer_types(config: dict) -> list[str]:
-    n = config["num_hidden_layers"]
-    if "layer_types" in config:
-        return list(config["layer_types"])
-    every = config.get("full_attention_interval", 4)
-    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-
-
 def pad_weights(weights: dict, config: dict, intermediate: int, layers: int) -> tuple[dict, dict]:
     """(padded weights, padded config)."""
-    types = layer_types(config)
+    types = list(ModelConfig.from_dict(config).layer_types)
     n, inter = len(types), config["intermediate_size"]
     if intermediate < inter:
         raise ValueError(f"--intermediate {intermediate} is below the checkpoint's {inter}")
@@ -61,27 +55,16 @@ def pad_weights(weights: dict, config: dict, intermediate: int, layers: int) -> 
         w[p + "mlp.up_proj.weight"] = np.pad(w[p + "mlp.up_proj.weight"], ((0, extra), (0, 0)))
         w[p + "mlp.down_proj.weight"] = np.pad(w[p + "mlp.down_proj.weight"], ((0, 0), (0, extra)))
 
-    for i in range(n):
-        p = f"model.layers.{i}."
-        layer = {k: v for k, v in weights.items() if k.startswith(p)}
-        mlp(layer, p)
+    # layer j is layer j % n (the pattern of layer types goes on); past n its output is zero
+    types = [types[j % n] for j in range(layers)]
+    for j in range(layers):
+        sp, dp = f"model.layers.{j % n}.", f"model.layers.{j}."
+        layer = {dp + k[len(sp):]: v for k, v in weights.items() if k.startswith(sp)}
+        mlp(layer, dp)
+        if j >= n:
+            for name in (_OUTPUT_PROJ[types[j]], "mlp.down_proj.weight"):
+                layer[dp + name] = np.zeros_like(layer[dp + name])
         out.update(layer)
-    # extra layers: the k-th copies the k-th original layer of the type the pattern asks for
-    every = config.get("full_attention_interval", 4)
-    by_type = {t: [i for i, u in enumerate(types) if u == t] for t in set(types)}
-    for j in range(n, layers):
-        t = "full_attention" if (j + 1) % every == 0 else "linear_attention"
-        if t not in by_type:
-            t = types[j % n]
-        src = by_type[t][(j - n) % len(by_type[t])]
-        sp, dp = f"model.layers.{src}.", f"model.layers.{j}."
-        for k, v in weights.items():
-            if k.startswith(sp):
-                out[dp + k[len(sp):]] = v.copy()
-        mlp(out, dp)
-        for name in (_OUTPUT_PROJ[t], "mlp.down_proj.weight"):
-            out[dp + name] = np.zeros_like(out[dp + name])
-        types.append(t)
     cfg = dict(config, intermediate_size=intermediate, num_hidden_layers=layers, layer_types=types)
     return out, cfg
 

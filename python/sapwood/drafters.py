@@ -119,7 +119,7 @@ class ModelDrafter:
         self.temperature, self.seed = 0.0, 0
         # generate(cache_prompt=True): the context's first prompt_cache_len tokens are the
         # request's prompt, which the draft model takes in through its own prompt cache
-        # (Model._cached_prefill) as the target does
+        # (Model._restore_or_prefill) as the target does
         self.prompt_cache_len = 0
 
     def set_sampling(self, temperature: float, seed: int) -> None:
@@ -140,8 +140,7 @@ class ModelDrafter:
         if self._synced == 0 and not self._pending and 0 < n <= len(todo):
             # an identical earlier prompt's state is restored (at 2K tokens the draft's own
             # prefill took ~65 ms on a 2-core Zen 3, twice a 64-token request's decode)
-            hit = self.model.prompt_cached(todo[:n])
-            self.model._cached_prefill(todo[:n])
+            _, hit = self.model._restore_or_prefill(todo[:n])
             restored = n if hit else 0
             self._synced, todo = n, todo[n:]
         if todo:

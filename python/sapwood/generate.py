@@ -262,7 +262,7 @@ class Decoder:
                     # the path's tokens: the root, then each pick that found its child
                     committed = [root] + picks[:-1]
                 self.context.extend(committed)
-                if mode == "plain" or (mode != "off" and not self._drafted[0]):
+                if mode != "off" and not self._drafted[0]:
                     # nothing drafted (a plain round, a tree of width 1): the drafter catches
                     # up when it next drafts. Advanced at every round, a draft model ran a
                     # forward a token for nothing: verify="tree", width=1 decoded at 0.70 of

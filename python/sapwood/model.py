@@ -169,13 +169,18 @@ class Model:
         return cache is not None and cache[0] == list(ids)
 
     def _cached_prefill(self, ids):
+        return self._restore_or_prefill(ids)[0]
+
+    def _restore_or_prefill(self, ids):
+        """(the prompt's last logits, whether they came from the prompt cache): restores the
+        snapshot of an identical previous prompt, else prefills and keeps a snapshot."""
         if self.prompt_cached(ids):
             cache = self._prompt_cache
             self.engine.restore(cache[1])
-            return cache[2]
+            return cache[2], True
         logits = self.engine.prefill(ids)
         self._prompt_cache = (list(ids), self.engine.snapshot(), logits)
-        return logits
+        return logits, False
 
     def _result(self, out, text, dec, trim=False):
         from .generate import GenerationResult

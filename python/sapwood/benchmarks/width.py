@@ -136,7 +136,6 @@ def first_requests(model, ids, best_width, a) -> dict:
             else:
                 r = model.generate(ids, verify="tree", width=best_width, **gen)
                 fixed.append(r.stats.decode_tokens_per_s)
-    model.reset_width_rules()  # the next depth's study starts from no history either
     paired = [f / b for f, b in zip(first, fixed)]
     return {"rule_tokens_per_s": first, "fixed_tokens_per_s": fixed,
             "ratio_paired": {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}}
