@@ -277,6 +277,26 @@ def test_cost_model_prior_then_fit():
     assert cm.predict(4, 20000) == pytest.approx(before, rel=1e-9)  # another band: still the prior
 
 
+def test_cost_model_prices_well_timed_widths_by_their_own_timings():
+    """Verify costs are a staircase (the AVX2 int8 matmul takes rows three at a time; padded
+    target, depth 1, ms): a width timed min_samples times or more is priced 8 parts its median
+    to line_weight=2 parts the line; one timed fewer times, by the line alone."""
+    stair = np.array([8.7, 12.2, 13.7, 17.7, 21.4, 23.4, 26.5, 31.0, 31.7]) / 1e3
+    ws = np.arange(1, 10)
+    for times, want_line in ((8, False), (2, True)):
+        cm = CostModel()
+        for _ in range(times):
+            for w, t in zip(ws, stair):
+                cm.observe(w, 100, t)
+        a, b = cm.verify_line(100)
+        line, pred = a + b * ws, cm.predict_widths(ws, 100)
+        if want_line:
+            assert (pred == line).all()
+        else:
+            assert np.allclose(pred - stair, 0.2 * (line - stair), rtol=0, atol=1e-12)
+            assert pred[2] - pred[1] < 0.002 < line[2] - line[1]  # width 3 is cheap after 2
+
+
 def test_cost_model_ignores_a_preempted_calibration_round():
     """The failure seen on a shared host: the wide calibration round was preempted (3x its
     cost) and the rule then verified only near one width. Least squares kept a slope several
@@ -422,6 +442,17 @@ def test_width_rule_prefers_a_confident_chain_over_a_bushy_tree():
     assert not bushy.is_chain
 
 
+def test_width_rule_probes_verify_two_nodes_at_least():
+    """A fallback's probe asks for min_width=2: the root alone tells nothing of the draft."""
+    rule = simulated_rule(lambda w, c: 0.010 + 0.010 * w, [0.05, 0.01], ctx=64)
+    lat = lattice(rows=8, k=4, seed=3)
+    tree = grow(0, lat, 16)
+    assert rule.choose(tree, ctx=64) == 1
+    assert rule.choose(tree, ctx=64, min_width=2) == 2
+    assert rule.choose_tree([tree, chain(0, lat, 8)], ctx=64).width == 1
+    assert rule.choose_tree([tree, chain(0, lat, 8)], ctx=64, min_width=2).width == 2
+
+
 class WrongDrafter:
     """Proposes tokens the target never picks (ids above the tiny model's likely range are
     still valid ids); counts how many tokens it was given."""
@@ -470,6 +501,17 @@ def test_tree_of_width_w_drafts_at_most_w_minus_1_rows(models, width):
         assert d.advanced == 0  # and nothing to keep the drafter up to date for
     else:
         assert d.asked and max(d.asked) == min(8, width - 1)
+
+
+def test_the_first_round_prices_the_draft_length(models):
+    """The first round's draft (nothing known of costs: all rows) feeds the draft length, so
+    the second round is priced: with every row of the first rejected, it drafts fewer."""
+    target, _ = models
+    p = prompt(12, seed=21)
+    widths = []
+    target.generate(p, max_tokens=12, drafter=WrongDrafter(len(p)), verify="chain", rows=8,
+                    on_round=lambda t, path, s: widths.append(t.width))
+    assert widths[0] == 9 and widths[1] < 9, widths
 
 
 def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
@@ -530,6 +572,36 @@ def test_plain_fallback_times_speculation_then_steady_plain_rounds():
         assert not pf.skip_draft()
         pf.observe(False, t, 0.005)
     assert pf.skip_draft()              # ... then z standard errors: plain
+
+
+def test_plain_fallback_judges_against_a_guess_until_plain_rounds_are_timed():
+    """Until plain rounds are timed, the decoder's guess of their cost judges: speculation
+    that beats it goes on without timing plain rounds, speculation that loses to it times
+    them and is judged against what they measured."""
+    def fallback(guess):
+        pf = PlainFallback()
+        pf.begin_request(cap=9)
+        pf.plain_guess_s = guess
+        return pf
+    wins = fallback(0.0005)              # 2000 tokens/s
+    for _ in range(12):
+        assert not wins.skip_draft()
+        wins.observe(False, 6, 0.002)    # 3000 tokens/s
+    assert wins.plain_s is None
+    loses = fallback(0.0005)
+    for t in (1, 1, 2):                  # ~670 tokens/s
+        assert not loses.skip_draft()
+        loses.observe(False, t, 0.002)
+    for _ in range(loses.plain_samples + 1):  # plain rounds, timed
+        assert loses.skip_draft()
+        loses.observe(True, 1, 0.0004)
+    assert loses.plain_s == 0.0004 and loses.prefers_plain()
+    # without a guess, the winning rounds stop to time plain rounds after two
+    blind = fallback(None)
+    for _ in range(2):
+        assert not blind.skip_draft()
+        blind.observe(False, 6, 0.002)
+    assert blind.skip_draft()
 
 
 def test_plain_fallback_gives_up_early_on_strong_evidence():

@@ -146,6 +146,9 @@ class Decoder:
         if mode in ("tree", "auto") and not self._tree_eligible:
             return "chain"  # penalties, constraints: always the chain
         if mode == "auto":
+            if self.plain.plain_s is None:  # unmeasured: the fallback takes a guess
+                ctx, cost = self.engine.position, self.rule.cost
+                self.plain.plain_guess_s = sum(cost.verify_line(ctx)) if cost.calibrated(ctx) else None
             if self.plain.skip_draft(self._behind):
                 return "plain"
             self._eligible = self.ema.wide()
@@ -179,7 +182,8 @@ class Decoder:
         if self.rule.cost.calibrated(ctx) or full.width == 1:
             # the drafter's chain competes too: a confident drafter's deep chain can beat every
             # prefix of the best-first tree
-            tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx)
+            tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx,
+                                         min_width=2 if self.plain.probing else 1)
             return tree, not tree.is_chain, None
         # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
         # the full tree's logits serve whichever prefix the rule then picks; the root's verify
@@ -196,7 +200,7 @@ class Decoder:
         if not self.rule.cost.rest(ctx):
             self.rule.cost.observe_rest(ctx, t_draft)
         self.verify_s = t1 + tw
-        w = self.rule.choose(full, ctx)
+        w = self.rule.choose(full, ctx, min_width=2 if self.plain.probing else 1)
         return full.prefix(w), True, logits[:w]
 
     def run(self, prompt, prefill=None) -> Iterator[int]:
@@ -279,29 +283,33 @@ class Decoder:
                 st.widths.append(width)
                 ctx = eng.position - len(path)  # the round's context
                 round_s = time.perf_counter() - t_round
-                if cfg.verify == "auto" and mode != "off" and not first_round:
-                    # the fallback judges auto's own rounds only
+                if cfg.verify == "auto" and mode != "off" and not first_round and not calibration:
+                    # the fallback judges auto's own rounds only, and not those that learn
+                    # costs: the first (its draft length is not yet priced) nor a calibration
+                    # round (a wide tree timed twice)
                     self.plain.observe(mode == "plain", len(path), round_s, self._caught_up[1])
                 catch_up_s = self._caught_up[1]
                 self._caught_up = (0, 0.0)
                 if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
                     self.rule.cost.observe(1, ctx, self.verify_s)
                 if mode not in ("off", "plain"):
-                    if not first_round and self._drafted[0]:
+                    # The first round feeds the costs too: with its draft's prefill left out
+                    # (catch_up_s) it costs what later rounds cost (a 4-node tree's verify on
+                    # the padded target, depth 2K: 16.7 ms against 16.2-17.6), and without it
+                    # the second round drafted 8 rows unpriced (32 ms for one token, where the
+                    # best fixed width's round took 14) and the first wide round calibrated
+                    if self._drafted[0]:
                         self.draft_len.observe(self._drafted[0], len(path) - 1, self._drafted[1],
                                                round_s - catch_up_s, self._verify_slope())
                     self._drafted = (0, 0.0)
                     self.ema.update(len(path) - 1)
                     self.rule.acceptance.observe(tree, path)
-                    self.rule.observe_round(tree.is_chain, len(path),
-                                            None if first_round else round_s - catch_up_s,
+                    self.rule.observe_round(tree.is_chain, len(path), round_s - catch_up_s,
                                             (mode == "wide") if self._eligible else None)
-                    # the first round after prefill pays warm-up costs; a calibration round
-                    # has fed its own verify timings
-                    if not first_round and not calibration:
+                    if not calibration:  # a calibration round has fed its own verify timings
                         self.rule.cost.observe(tree.width, ctx, self.verify_s)
-                    if not first_round:
-                        self.rule.cost.observe_rest(ctx, time.perf_counter() - t_round - self.verify_s)
+                    self.rule.cost.observe_rest(
+                        ctx, time.perf_counter() - t_round - catch_up_s - self.verify_s)
                 first_round = False
                 if self.on_round is not None:
                     self.on_round(tree or _root_tree(root), path, time.perf_counter() - t_round)

@@ -84,9 +84,11 @@ class CostModel:
 
     BANDS = tuple(1024 << i for i in range(8))  # 1K .. 128K
 
-    def __init__(self, prior=(1e-3, 3e-4), per_width=8, rest_window=32):
+    def __init__(self, prior=(1e-3, 3e-4), per_width=8, rest_window=32, min_samples=3,
+                 line_weight=2.0):
         self.prior = (float(prior[0]), float(prior[1]))
         self.per_width, self.rest_window = per_width, rest_window
+        self.min_samples, self.line_weight = min_samples, line_weight  # predict_widths
         self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
         self._meds: dict[int, dict] = {}    # band -> {width: their median, None until asked}
         self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
@@ -135,9 +137,31 @@ class CostModel:
         return float(self.predict_widths(np.array([w]), ctx)[0])
 
     def predict_widths(self, ws, ctx) -> np.ndarray:
-        """predict() for an array of widths at one context."""
-        a, b = self.verify_line(ctx)
-        return np.maximum(self.rest(ctx) + a + b * np.asarray(ws, np.float64), 1e-7)
+        """predict() for an array of widths at one context. A width timed `min_samples` times
+        or more is priced mostly by its own median (n timings against `line_weight` pseudo-
+        timings on the line): a verify's cost is a staircase, not a line (the AVX2 int8 matmul
+        takes activation rows three at a time: on the padded target at depth 1 verify of 1..9
+        nodes took 8.7, 12.2, 13.7, 17.7, 21.4, 23.4, 26.5, 31.0, 31.7 ms), and the line
+        through it priced width 3 2.5 ms above width 2 where it costs 1.5 more, so the rule
+        verified 2 nodes where the best fixed width was 3."""
+        a, b = self.verify_line(ctx)  # also refreshes the band's medians
+        v = a + b * np.asarray(ws, np.float64)
+        band = self._band(ctx)
+        meds = self._meds.get(band)
+        if meds:
+            obs, k, where = self._obs[band], self.line_weight, None
+            for w, m in meds.items():
+                n = len(obs[w])
+                if n < self.min_samples:
+                    continue
+                if where is None:
+                    where = {int(x): i for i, x in enumerate(np.asarray(ws).tolist())}
+                i = where.get(w)
+                if i is not None:
+                    if m is None:
+                        m = meds[w] = _median(obs[w])
+                    v[i] = (n * m + k * v[i]) / (n + k)
+        return np.maximum(self.rest(ctx) + v, 1e-7)
 
     def observe(self, w, ctx, seconds) -> None:
         """A verify of a w-node tree at ctx took `seconds`."""
@@ -349,6 +373,9 @@ class PlainFallback:
         self.plain_samples = plain_samples  # plain rounds timed before plain_s is trusted
         self.plain_s = None
         self._plain_times: list[float] = []  # plain_s: their lower quartile (see observe)
+        # until plain_s is measured, a guess of it (the cost model's verify of the root alone,
+        # set by the decoder each round): see skip_draft
+        self.plain_guess_s = None
         self.catch_up_per_token = None        # the drafter's seconds per caught-up token
         self._tokens: list[int] = []          # this request's speculative rounds (the last
         self._secs: list[float] = []          # `window`): tokens committed, seconds
@@ -405,15 +432,20 @@ class PlainFallback:
         bound = None if z is None else (mean + z * sd / n ** 0.5) / secs
         self._spec = (mean, secs, self.cap / secs, bound)
 
+    def _plain_round_s(self):
+        """plain_s, or while unmeasured its guess (None without either)."""
+        return self.plain_s if self.plain_s is not None else self.plain_guess_s
+
     def prefers_plain(self) -> bool:
         """Would the next round be plain (nothing probed)? Yes when even rounds committing
         `cap` tokens would lose to plain ones (a deep context makes a wide verify cost several
         plain steps), or when the optimistic bound of the speculative rate does."""
-        if self.plain_s is None:
+        plain_s = self._plain_round_s()
+        if plain_s is None:
             return False
         if self._spec is None:
             return self.prior_plain
-        rate = 1.0 / self.plain_s
+        rate = 1.0 / plain_s
         _, _, full_rate, bound = self._spec
         if full_rate < rate:
             return True
@@ -422,20 +454,31 @@ class PlainFallback:
     def probe_cost(self, behind: int) -> float:
         """Seconds a probe costs beyond plain rounds emitting the same tokens."""
         mean, secs, _, _ = self._spec
-        return max(secs - mean * self.plain_s, 0.0) + behind * (self.catch_up_per_token or 0.0)
+        plain_s = self._plain_round_s()
+        return max(secs - mean * plain_s, 0.0) + behind * (self.catch_up_per_token or 0.0)
+
+    @property
+    def probing(self) -> bool:
+        """Is this round (skip_draft said speculate) a probe?"""
+        return self._probing
 
     def skip_draft(self, behind: int = 0) -> bool:
         """Should the next round be plain? `behind`: tokens the drafter would catch up on."""
         self._probing = False
         if len(self._tokens) < 2 and not self.prior_plain:
             return False  # time speculation first
-        if self.plain_s is None:
-            return True  # then plain rounds
+        if self.plain_s is None and (self.plain_guess_s is None or self.prefers_plain()):
+            # then plain rounds, which time plain decoding, unless speculation beats even the
+            # guess of a plain round (the root's predicted verify, less than a plain round
+            # costs, so the guess errs toward timing plain rounds): a fresh band's first
+            # request spent 9 plain rounds timing them, on the bundled pair's padded target at
+            # depth 1 where the best fixed width ran at 1.6x plain decoding
+            return True
         if not self.prefers_plain():
             return False
         self.since_probe += 1
         cost = 0.0 if self._spec is None else self.probe_cost(behind)
-        if self.since_probe >= max(self.first_probe, cost / (self.budget * self.plain_s)):
+        if self.since_probe >= max(self.first_probe, cost / (self.budget * self._plain_round_s())):
             self.since_probe, self._probing = 0, True
             return False
         return True
@@ -473,7 +516,7 @@ class PlainFallback:
         self._req[0] += int(tokens)
         self._req[1] += seconds
         self._req[2] += 1
-        if self._probing and tokens / seconds >= 1.0 / self.plain_s:
+        if self._probing and tokens / seconds >= 1.0 / self._plain_round_s():
             self._tokens, self._secs = [], []  # the prompt may have changed: judge afresh
             self.prior_plain = False  # this prompt's own rounds decide from here
         if self._tokens:  # the pooled spread: this round's deviation from the request's mean
@@ -529,15 +572,19 @@ class WidthRule:
             costs = self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
         return self.acceptance.expected_tokens(tree) / costs[:tree.width]
 
-    def _pick(self, rate: np.ndarray) -> int:
+    def _pick(self, rate: np.ndarray, min_width: int = 1) -> int:
+        if min_width > 1 and len(rate) >= min_width:
+            rate = rate.copy()
+            rate[:min_width - 1] = -np.inf
         if self.explore_every and self.rng.random() * self.explore_every < 1:
             near = np.flatnonzero(rate >= 0.9 * rate.max())
             return int(self.rng.choice(near)) + 1
         return int(np.argmax(rate)) + 1
 
-    def choose(self, tree: Tree, ctx: int) -> int:
-        """Best width for this round's candidate tree (built at max width) at context ctx."""
-        return self._pick(self.rate(tree, ctx))
+    def choose(self, tree: Tree, ctx: int, min_width: int = 1) -> int:
+        """Best width for this round's candidate tree (built at max width) at context ctx, at
+        least min_width where the tree has that many nodes (choose_tree has why)."""
+        return self._pick(self.rate(tree, ctx), min_width)
 
     def realized(self, chain: bool) -> float:
         """Tokens a round of this shape (a chain, or a tree) committed per token its E
@@ -545,7 +592,7 @@ class WidthRule:
         pred, real = self._outcomes[chain]
         return real / pred
 
-    def choose_tree(self, candidates, ctx: int) -> Tree:
+    def choose_tree(self, candidates, ctx: int, min_width: int = 1) -> Tree:
         """The best prefix of any candidate tree (e.g. the best-first tree and the drafter's
         chain), by the same expected tokens per second, each scaled by what rounds of its
         shape realized against their prediction. E multiplies per-node chances as if
@@ -553,12 +600,16 @@ class WidthRule:
         4-7 tokens committed all 9 in most rounds while wide trees committed about what they
         predicted, so unscaled E chose trees costing 0.1-0.6 ms more a round for nothing.
         Scaled, auto against the chain on the cohort went from x0.944 to x0.972 decode tokens/s
-        (geometric mean, one 3-block A/B each)."""
+        (geometric mean, one 3-block A/B each). min_width: a fallback's probe verifies two
+        nodes at least (the root alone tells nothing of the draft, and cannot beat a plain
+        round: probes on the padded target at depth 2K that chose the root failed, and the
+        request stayed plain where width 3 ran at 1.2x)."""
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
         es = [self.acceptance.expected_tokens(t) for t in candidates]
         rates = [e / costs[:t.width] * self.realized(t.is_chain) for e, t in zip(es, candidates)]
-        k = int(np.argmax([r.max() for r in rates]))
-        w = self._pick(rates[k])
+        k = int(np.argmax([r[min_width - 1:].max() if len(r) >= min_width else r.max()
+                           for r in rates]))
+        w = self._pick(rates[k], min_width)
         self._predicted = float(es[k][w - 1])
         return candidates[k].prefix(w)
 
