@@ -278,8 +278,8 @@ def test_cost_model_prior_then_fit():
 
 
 def test_cost_model_prices_well_timed_widths_by_their_own_timings():
-    """Verify costs are a staircase (the AVX2 int8 matmul takes rows three at a time; padded
-    target, depth 1, ms): a width timed min_samples times or more is priced 8 parts its median
+    """Verify costs are a staircase (the padded target at depth 1, 2-core Zen 3, ms): a width
+    timed min_samples times or more is priced 8 parts its median
     to line_weight=2 parts the line; one timed fewer times, by the line alone."""
     stair = np.array([8.7, 12.2, 13.7, 17.7, 21.4, 23.4, 26.5, 31.0, 31.7]) / 1e3
     ws = np.arange(1, 10)

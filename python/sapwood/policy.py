@@ -139,9 +139,10 @@ class CostModel:
     def predict_widths(self, ws, ctx) -> np.ndarray:
         """predict() for an array of widths at one context. A width timed `min_samples` times
         or more is priced mostly by its own median (n timings against `line_weight` pseudo-
-        timings on the line): a verify's cost is a staircase, not a line (the AVX2 int8 matmul
-        takes activation rows three at a time: on the padded target at depth 1 verify of 1..9
-        nodes took 8.7, 12.2, 13.7, 17.7, 21.4, 23.4, 26.5, 31.0, 31.7 ms), and the line
+        timings on the line): a verify's cost is a staircase, not a line (on the padded target
+        at depth 1, 2-core Zen 3, verify of 1..9 nodes took 8.7, 12.2, 13.7, 17.7, 21.4, 23.4,
+        26.5, 31.0, 31.7 ms; not the int8 matmul's tiles of three rows: a two-row tile for the
+        rest left it as it was), and the line
         through it priced width 3 2.5 ms above width 2 where it costs 1.5 more, so the rule
         verified 2 nodes where the best fixed width was 3."""
         a, b = self.verify_line(ctx)  # also refreshes the band's medians
