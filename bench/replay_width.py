@@ -1,0 +1,218 @@
+"""Replays a recorded request through the real decoding loop (generate.Decoder, the whole auto
+policy) on a virtual clock, to compare width-rule changes without the noise of a shared host:
+on a 2-core VM the same fixed width ran at 135-198 tokens/s from one request to the next, so
+live width studies (`sapwood bench width`) could not tell a 3% change from none.
+
+    python bench/replay_width.py record --model DIR [--depths 1 2048] [--max-tokens 64] [--out rec.json]
+    python bench/replay_width.py replay rec.json [--requests 8] [--widths 1-16]
+
+record: per depth (the width study's context), the greedy continuation; the draft model's
+lattice (8 rows, its top 4 per row) at every position of it, which depends only on the
+context (DESIGN.md: a node's logits do not depend on the batch), so whatever rounds a policy
+runs, its drafts are these; and the costs, medians of alternated timings: verify of 1..16
+nodes, a draft of 1..8 rows, the draft's catch-up per token.
+replay: a fake engine whose verify returns logits picking the recorded continuation and
+advances the clock by the recorded verify cost; a replay drafter that returns the recorded
+lattice and advances it by the draft cost. The clock is the real one plus those costs, so the
+policy's own Python still counts, measured live. Per depth: fixed widths (verify="tree") and
+auto, `--requests` requests in a row on one WidthRule (as a server's band), the first request
+(a fresh rule) and the mean of the rest reported in decode tokens/s.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+from sapwood import generate as G
+from sapwood.drafters import Lattice
+
+
+def _median_times(fn, args, reps):
+    out = {a: [] for a in args}
+    for r in range(reps):
+        for a in (args if r % 2 == 0 else args[::-1]):
+            t = time.perf_counter()
+            fn(a)
+            out[a].append(time.perf_counter() - t)
+    return [float(np.median(out[a])) for a in args]
+
+
+def record(a):
+    import sapwood
+    from sapwood.benchmarks.width import context_text
+
+    model = sapwood.load(a.model, max_context=max(a.depths) + a.max_tokens + 64)
+    ids = model.encode(context_text(6 * max(a.depths) + 1000))
+    d = model.resolve_drafter("default")
+    out = {"model": a.model, "depths": []}
+    for depth in a.depths:
+        prompt = ids[:max(depth, 1)]
+        seq = model.generate(prompt, verify="off", max_tokens=a.max_tokens + 1).tokens
+        d.reset()
+        lattices = []
+        for p in range(len(seq)):
+            ctx = prompt + seq[:p]
+            lat = d.draft(ctx, seq[p], 8)
+            lattices.append([[t.tolist() for t in lat.tokens], [lp.tolist() for lp in lat.logprobs]])
+            d.advance([seq[p]])
+        eng = model.engine
+        eng.reset()
+        eng.prefill(prompt)
+        root = prompt[-1]
+        verify = _median_times(lambda n: eng.verify([root] * n, list(range(-1, n - 1))),
+                               list(range(1, 17)), a.reps)
+        d.reset()
+        d.sync(prompt)
+        draft = _median_times(lambda r: d.draft(prompt, root, r), list(range(1, 9)), a.reps)
+        t = time.perf_counter()
+        d.reset()
+        d.sync(prompt)
+        catch_up = (time.perf_counter() - t) / len(prompt)
+        out["depths"].append({"depth": depth, "prompt_len": len(prompt), "seq": seq,
+                              "lattices": lattices, "verify_s": verify, "draft_s": draft,
+                              "catch_up_per_token_s": catch_up})
+        print(f"depth {depth}: verify ms", " ".join(f"{v * 1e3:.1f}" for v in verify),
+              "| draft ms", " ".join(f"{v * 1e3:.2f}" for v in draft))
+    with open(a.out, "w") as f:
+        json.dump(out, f)
+
+
+class Clock:
+    """Real time plus simulated engine and draft costs: the decoder's `time` while replaying."""
+
+    def __init__(self):
+        self.extra = 0.0
+
+    def perf_counter(self):
+        return time.perf_counter() + self.extra
+
+
+class FakeEngine:
+    """Verify returns one-hot logits picking the recorded continuation at every node whose
+    path matches it (other nodes are never walked) and costs the recorded verify time."""
+
+    def __init__(self, rec, clock, vocab):
+        self.rec, self.clock, self.vocab = rec, clock, vocab
+        self.seq, self.plen = rec["seq"], rec["prompt_len"]
+        self.max_context = self.plen + len(self.seq) + 64
+        self.position = 0
+
+    def _onehot(self, picks):
+        out = np.zeros((len(picks), self.vocab), np.float32)
+        out[np.arange(len(picks)), picks] = 1.0
+        return out
+
+    def prefill(self, ids):
+        self.position = len(ids)
+        return self._onehot([self.seq[0]])[0]
+
+    def verify(self, tokens, parents):
+        n = len(tokens)
+        self.clock.extra += self.rec["verify_s"][min(n, 16) - 1]
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        p = self.position - self.plen  # the root is seq[p]
+        last = len(self.seq) - 1
+        return self._onehot([self.seq[min(p + d + 1, last)] for d in depth])
+
+    def commit(self, path, fold_in_background=False):
+        self.position += len(path)
+
+
+class ReplayDrafter:
+    def __init__(self, rec, clock):
+        self.rec, self.clock = rec, clock
+        self._synced = 0
+
+    def set_sampling(self, temperature, seed):
+        pass
+
+    def sync(self, context):
+        n = len(context) - self._synced
+        self.clock.extra += max(n, 0) * self.rec["catch_up_per_token_s"]
+        self._synced = len(context)
+        return 0
+
+    def advance(self, committed):
+        self._synced += len(committed)
+
+    def draft(self, context, root, rows):
+        self.sync(context)
+        p = len(context) - self.rec["prompt_len"]
+        toks, lps = self.rec["lattices"][p]
+        rows = min(rows, len(toks))
+        self.clock.extra += self.rec["draft_s"][rows - 1]
+        return Lattice(tokens=[np.array(t) for t in toks[:rows]],
+                       logprobs=[np.array(lp) for lp in lps[:rows]])
+
+
+def replay_arm(rec, arm, requests, max_tokens, trace=False):
+    """Decode tokens/s of `requests` requests in a row on one WidthRule (trace: print each
+    request's rounds, width:tokens/ms)."""
+    clock = Clock()
+    G.time = clock  # the decoder's clock (restored by the caller)
+    vocab = 1 + max(max(rec["seq"]), max(max(max(r) for r in lat[0]) for lat in rec["lattices"]))
+    rule = G.WidthRule()
+    prompt = [0] * rec["prompt_len"]
+    out = []
+    for _ in range(requests):
+        eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
+        if arm == "auto":
+            cfg = G.DecodeConfig(max_tokens=max_tokens, verify="auto", width=16)
+        else:
+            cfg = G.DecodeConfig(max_tokens=max_tokens, verify="tree", width=int(arm))
+        log = []
+        dec = G.Decoder(eng, drafter, cfg, rule=rule,
+                        on_round=lambda t, path, sec: log.append((t.width, len(path), sec)))
+        toks = list(dec.run(prompt))
+        if trace:
+            print(f"  {arm}: " + " ".join(f"{w}:{k}/{sec * 1e3:.0f}" for w, k, sec in log))
+        assert toks == rec["seq"][:len(toks)], "the replay changed the output"
+        out.append(dec.stats.decode_tokens_per_s)
+    return out
+
+
+def replay(a):
+    data = json.load(open(a.rec))
+    lo, hi = (int(x) for x in a.widths.split("-"))
+    try:
+        for rec in data["depths"]:
+            rows = {}
+            for arm in [str(w) for w in range(lo, hi + 1)] + ["auto"]:
+                rows[arm] = replay_arm(rec, arm, a.requests, a.max_tokens,
+                                       trace=a.trace and arm in ("auto", a.trace))
+            later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
+            best = max((k for k in rows if k != "auto"), key=lambda k: later[k])
+            print(f"depth {rec['depth']}: fixed " + " ".join(
+                f"w{k}:{later[k]:.0f}" for k in rows if k != "auto"))
+            print(f"  best fixed w={best} {later[best]:.1f} tok/s; auto {later['auto']:.1f} "
+                  f"(x{later['auto'] / later[best]:.3f}); first request: auto "
+                  f"{rows['auto'][0]:.1f} (x{rows['auto'][0] / rows[best][0]:.3f} of w={best}'s first)")
+    finally:
+        G.time = time
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("--model", default="default")
+    r.add_argument("--depths", type=int, nargs="+", default=[1, 2048])
+    r.add_argument("--max-tokens", type=int, default=64)
+    r.add_argument("--reps", type=int, default=9)
+    r.add_argument("--out", default="replay_width.json")
+    p = sub.add_parser("replay")
+    p.add_argument("rec")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--widths", default="1-16")
+    p.add_argument("--trace", nargs="?", const="auto", default=None,
+                   help="print auto's rounds (and those of a fixed width given here)")
+    a = ap.parse_args()
+    record(a) if a.cmd == "record" else replay(a)
+
+
+if __name__ == "__main__":
+    main()
