@@ -166,9 +166,12 @@ def replay_arm(rec, arm, requests, max_tokens, trace=False):
         log = []
         dec = G.Decoder(eng, drafter, cfg, rule=rule,
                         on_round=lambda t, path, sec: log.append((t.width, len(path), sec)))
+        modes, mode_of = [], dec._mode
+        dec._mode = lambda: modes.append(mode_of()) or modes[-1]
         toks = list(dec.run(prompt))
-        if trace:
-            print(f"  {arm}: " + " ".join(f"{w}:{k}/{sec * 1e3:.0f}" for w, k, sec in log))
+        if trace:  # c: chain, w: wide, p: plain, t: fixed tree
+            print(f"  {arm}: " + " ".join(f"{m[0]}{w}:{k}/{sec * 1e3:.0f}"
+                                          for m, (w, k, sec) in zip(modes, log)))
         assert toks == rec["seq"][:len(toks)], "the replay changed the output"
         out.append(dec.stats.decode_tokens_per_s)
     return out

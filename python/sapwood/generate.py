@@ -318,10 +318,9 @@ class Decoder:
             st.decode_s = time.perf_counter() - t_start - st.draft_prefill_s
 
     def _verify_slope(self) -> float:
-        """The cost model's seconds per verified node at this context; 0 until it has timed two
-        widths (its prior slope, a guess, would shorten drafts before anything is measured)."""
-        ctx = self.engine.position
-        return self.rule.cost.verify_line(ctx)[1] if self.rule.cost.calibrated(ctx) else 0.0
+        """The cost model's seconds per verified node at this context (CostModel.slope: its
+        prior slope, a guess, would shorten drafts before anything is measured)."""
+        return self.rule.cost.slope(self.engine.position)
 
     def _catch_up(self) -> None:
         """Give the drafter what it has not seen (the prompt, the tokens of plain rounds), in

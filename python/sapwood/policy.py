@@ -127,6 +127,21 @@ class CostModel:
             self._lines[band] = line
         return line
 
+    def slope(self, ctx) -> float:
+        """Seconds per verified node at ctx: the line's slope once the band has timed two
+        widths; with one width timed, its median time per node, an upper bound (the intercept
+        is not negative) that shortens the next draft, whose new width then calibrates the
+        band (with 0 there, the bundled pair's padded target at depth 2K drafted 8, 7 and 8
+        rows in a fresh band's first three rounds, 37-41 ms each for 1-2 tokens, and the
+        fallback then judged speculation on them); 0 before any timing."""
+        obs = self._obs.get(self._band(ctx))
+        if not obs:
+            return 0.0
+        if len(obs) >= 2:
+            return self.verify_line(ctx)[1]
+        (w, times), = obs.items()
+        return _median(times) / w
+
     def rest(self, ctx) -> float:
         r = self._rest.get(self._band(ctx))
         # not np.median: it imports numpy.ma on first use (~40 ms, paid by the first request
@@ -549,12 +564,17 @@ class WidthRule:
     tree_explore_every: int = 16  # trees_pay()
     grow_free_s: float = 5e-3  # trees_pay(): rounds this long always grow a tree
     round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
-    # is_chain -> decayed sums over rounds of that shape: (predicted E, committed tokens) of
-    # rounds choose_tree chose, seeded as 10 tokens each
-    _outcomes: dict = field(default_factory=lambda: {True: (10.0, 10.0), False: (10.0, 10.0)})
+    # decayed sums over the rounds choose_tree chose, by [is_chain, (predicted E, committed
+    # tokens), width]: realized(). Every such round decays every cell, so a shape or width not
+    # chosen lately drifts back to a ratio of 1 (its prior) and is tried again: kept, two early
+    # wide trees that committed 2 of 3.4 predicted tokens kept trees from the padded target at
+    # depth 2K (x0.81 on every tree) where fixed 3-node trees ran at 1.2x the rule's chains
+    _sums: np.ndarray = field(default_factory=lambda: np.zeros((2, 2, 65)))
+    shape_prior_tokens: float = 10.0  # realized(): pseudo-tokens at a ratio of 1
     # grown -> decayed (committed tokens, seconds) of the rounds the EMA let go wide
     _rates: dict = field(default_factory=lambda: {True: (0.0, 0.0), False: (0.0, 0.0)})
-    _predicted: float | None = None  # E of the tree choose_tree returned last
+    width_prior_tokens: float = 10.0  # realized(): a width's own sums against the shape's ratio
+    _predicted: tuple | None = None  # (E, width) of the tree choose_tree returned last
     _since_wide: int = 0
     _tree_gap: int = 0  # eligible rounds from one tree exploration to the next (0: not yet)
     _round_s: float | None = None  # decayed mean seconds of a speculative round
@@ -587,11 +607,22 @@ class WidthRule:
         least min_width where the tree has that many nodes (choose_tree has why)."""
         return self._pick(self.rate(tree, ctx), min_width)
 
-    def realized(self, chain: bool) -> float:
+    def realized(self, chain: bool, widths: int | None = None):
         """Tokens a round of this shape (a chain, or a tree) committed per token its E
-        predicted, over recent rounds, starting from 1."""
-        pred, real = self._outcomes[chain]
-        return real / pred
+        predicted, over recent rounds, starting from 1. With `widths`, that ratio for each
+        prefix width 1..widths: a width's own rounds against width_prior_tokens predicted at
+        the shape's ratio. The rule picks the width whose E is highest against its cost, so
+        rounds at a width were chosen where E overestimated (the optimizer's curse): on the
+        padded target at depth 1, chains chosen at width 5 predicted 3.86 tokens and committed
+        3.56, those at width 3 predicted 2.45 and committed 2.66."""
+        sums = self._sums[int(chain)]
+        c = self.shape_prior_tokens
+        ratio = (sums[1].sum() + c) / (sums[0].sum() + c)
+        if widths is None:
+            return float(ratio)
+        c = self.width_prior_tokens
+        p, r = sums[:, 1:widths + 1]
+        return (r + c * ratio) / (p + c)
 
     def choose_tree(self, candidates, ctx: int, min_width: int = 1) -> Tree:
         """The best prefix of any candidate tree (e.g. the best-first tree and the drafter's
@@ -607,11 +638,12 @@ class WidthRule:
         request stayed plain where width 3 ran at 1.2x)."""
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
         es = [self.acceptance.expected_tokens(t) for t in candidates]
-        rates = [e / costs[:t.width] * self.realized(t.is_chain) for e, t in zip(es, candidates)]
+        rates = [e / costs[:t.width] * self.realized(t.is_chain, t.width)
+                 for e, t in zip(es, candidates)]
         k = int(np.argmax([r[min_width - 1:].max() if len(r) >= min_width else r.max()
                            for r in rates]))
         w = self._pick(rates[k], min_width)
-        self._predicted = float(es[k][w - 1])
+        self._predicted = (float(es[k][w - 1]), w)
         return candidates[k].prefix(w)
 
     def trees_pay(self) -> bool:
@@ -655,8 +687,9 @@ class WidthRule:
         for other rounds)."""
         d = self.round_decay
         if self._predicted is not None:  # the round choose_tree chose: its E against the tokens
-            pred, real = self._outcomes[chain]
-            self._outcomes[chain] = (d * pred + self._predicted, d * real + tokens)
+            e, w = self._predicted
+            self._sums *= d
+            self._sums[int(chain), :, w] += (e, tokens)
             self._predicted = None
         if seconds is not None and grown is not None:
             t, s = self._rates[grown]
