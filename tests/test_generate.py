@@ -539,6 +539,7 @@ def test_the_first_round_prices_the_draft_length(models):
     """The first round's draft (nothing known of costs: all rows) feeds the draft length, so
     the second round is priced: with every row of the first rejected, it drafts fewer."""
     target, _ = models
+    target.reset_width_rules()  # a fresh band: nothing known of costs
     p = prompt(12, seed=21)
     widths = []
     target.generate(p, max_tokens=12, drafter=WrongDrafter(len(p)), verify="chain", rows=8,
@@ -916,6 +917,22 @@ def test_width_rule_state_is_per_drafter(models):
     assert model_rule.acceptance.offered.sum() > 0
     assert target.width_rule(target.resolve_drafter(root / "draft")) is model_rule
     assert lookup_rule.acceptance.offered.sum() == lookup_seen  # and the other way round
+
+
+def test_draft_length_keeps_costs_and_a_prior_across_a_bands_requests():
+    """A band's next request keeps the measured costs and starts from the last one's pooled
+    keep rate: its first round is priced, not all rows."""
+    rule = WidthRule()
+    dl = rule.draft_length(100)
+    assert dl.rows(50e-6) == 8  # nothing measured yet
+    for _ in range(6):
+        dl.observe(8, 0, draft_s=8 * 50e-6, round_s=8 * 100e-6 + 300e-6, verify_slope=50e-6)
+    again = rule.draft_length(200)  # the same band, a new request
+    assert again is dl and not again._rounds
+    # the pooled rate (0 + 2 x 0.8) / (6 + 2) = 0.2, held at 0.3 at least
+    assert again.prior_keep == 0.3 and again.rows(50e-6) == 1
+    assert rule.draft_length(50000).rows(50e-6) == 8  # another band: nothing measured there
+    assert rule.draft_length(100, max_rows=4) is not dl
 
 
 def test_draft_length_follows_what_the_draft_keeps():

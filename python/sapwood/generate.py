@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from . import tree as trees
-from .policy import AdmissionEMA, DraftLength, WidthRule
+from .policy import AdmissionEMA, WidthRule
 from .sampling import SamplingParams, apply_penalties, sample
 
 VERIFY_MODES = ("off", "chain", "tree", "auto")
@@ -106,7 +106,7 @@ class Decoder:
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.ema = ema or AdmissionEMA(rows=cfg.rows)
         self.rule = rule or WidthRule()
-        self.draft_len = DraftLength(max_rows=cfg.rows)
+        self.draft_len = None  # the rule's DraftLength for this request's context band (run())
         self._drafted = (0, 0.0)  # this round's draft: rows, seconds
         self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
@@ -159,8 +159,15 @@ class Decoder:
         """This round's tree, whether it is wide, and its logits when they were already
         computed (a calibration round), else None."""
         rows = self.cfg.rows
-        if self.cfg.adapt_rows and mode != "tree":
+        if self.cfg.adapt_rows and mode == "chain":
             rows = self.draft_len.rows(self._verify_slope())
+        elif self.cfg.adapt_rows and mode == "wide":
+            # a wide round verifies only the nodes the rule then picks: a row costs its draft
+            # alone. Priced as chain rows (with a verified node each), auto drafted ~3 rows
+            # where width 5 needs 4, and replayed even with hindsight-perfect E its choices
+            # ran at 0.96 / 0.96 of the best fixed width (padded target, depths 1 / 2K);
+            # priced by their draft, 1.08 / 1.04 (bench/replay_width.py)
+            rows = self.draft_len.rows(0.0)
         if mode == "tree" and self.cfg.width:
             # a tree of w nodes reaches depth w - 1 at most: rows past it would never be
             # verified (and a row's candidates do not depend on the rows after it)
@@ -214,6 +221,7 @@ class Decoder:
         t0 = time.perf_counter()
         logits = (prefill or eng.prefill)(self.context)
         self.plain = self.rule.plain_fallback(len(self.context), cfg.rows + 1)
+        self.draft_len = self.rule.draft_length(len(self.context), cfg.rows)
         if hasattr(self.drafter, "sync"):
             # A draft model takes in the prompt when it first drafts, as a catch-up: the first
             # token does not wait for it (chain and auto requests' time to first token was 28%

@@ -318,9 +318,19 @@ class DraftLength:
             out.append(s)
         return out
 
+    def begin_request(self) -> None:
+        """A new request (WidthRule.draft_length keeps one per context band): the costs stay
+        (they are the machine's), the rows' history goes (it is the last prompt's) but its
+        pooled keep rate becomes the prior. With neither kept, every request's first round
+        drafted all 8 rows (31 ms on the padded target at depth 1, for one token where width
+        5 took 20 ms for 3.5: ~5% of a 64-token request, replayed)."""
+        if self._rounds:
+            self.prior_keep = min(max(self.keep_rate(), 0.3), 0.95)
+        self._rounds = []
+
     def rows(self, verify_slope: float) -> int:
         """The rows to draft this round (max_rows until both costs are measured)."""
-        if self.draft_row_s is None or self.fixed_s is None or not self._rounds:
+        if self.draft_row_s is None or self.fixed_s is None:
             return self.max_rows
         per_row = self.draft_row_s + verify_slope
         best, best_rate, e = self.max_rows, -1.0, 1.0
@@ -333,9 +343,10 @@ class DraftLength:
         # estimate may be one old rejection: lengthen by two (as Hugging Face's assisted
         # generation does), so a prompt the draft follows gets its depth back in a few rounds.
         # Without it, one early rejection at row 3 kept code-docstring at 2 rows for 16 rounds.
-        drafted, kept = self._rounds[-1]
-        if kept == drafted:
-            best = max(best, min(self.max_rows, drafted + 2))
+        if self._rounds:
+            drafted, kept = self._rounds[-1]
+            if kept == drafted:
+                best = max(best, min(self.max_rows, drafted + 2))
         return best
 
 
@@ -561,6 +572,7 @@ class WidthRule:
     explore_every: int = 8
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     fallbacks: dict = field(default_factory=dict)  # context band -> PlainFallback
+    draft_lengths: dict = field(default_factory=dict)  # (context band, max rows) -> DraftLength
     tree_explore_every: int = 16  # trees_pay()
     grow_free_s: float = 5e-3  # trees_pay(): rounds this long always grow a tree
     round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
@@ -585,6 +597,13 @@ class WidthRule:
         pf = self.fallbacks.setdefault(self.cost._band(ctx), PlainFallback())
         pf.begin_request(cap)
         return pf
+
+    def draft_length(self, ctx: int, max_rows: int = 8) -> DraftLength:
+        """The DraftLength of ctx's band (and max_rows), ready for a new request."""
+        dl = self.draft_lengths.setdefault((self.cost._band(ctx), int(max_rows)),
+                                           DraftLength(max_rows=max_rows))
+        dl.begin_request()
+        return dl
 
     def rate(self, tree: Tree, ctx: int, costs=None) -> np.ndarray:
         """Expected committed tokens per second of every prefix w = 1..tree.width (costs:
