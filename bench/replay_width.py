@@ -1,22 +1,26 @@
-"""Replays a recorded request through the real decoding loop (generate.Decoder, the whole auto
-policy) on a virtual clock, to compare width-rule changes without the noise of a shared host:
-on a 2-core VM the same fixed width ran at 135-198 tokens/s from one request to the next, so
-live width studies (`sapwood bench width`) could not tell a 3% change from none.
+"""Replays recorded requests through the real decoding loop (generate.Decoder, the whole auto
+policy) on a virtual clock, to compare policy changes without the noise of a shared host: on
+a 2-core VM the same fixed width ran at 135-198 tokens/s from one request to the next, so live
+width studies (`sapwood bench width`) could not tell a 3% change from none.
 
-    python bench/replay_width.py record --model DIR [--depths 1 2048] [--max-tokens 64] [--out rec.json]
-    python bench/replay_width.py replay rec.json [--requests 8] [--widths 1-16]
+    python bench/replay_width.py record --model DIR [--depths 1 2048] [--cohort 13]
+                                        [--drafter default] [--max-tokens 64] [--out rec.json]
+    python bench/replay_width.py replay rec.json [--requests 8] [--widths 1-16] [--trace [W]]
 
-record: per depth (the width study's context), the greedy continuation; the draft model's
-lattice (8 rows, its top 4 per row) at every position of it, which depends only on the
-context (DESIGN.md: a node's logits do not depend on the batch), so whatever rounds a policy
-runs, its drafts are these; and the costs, medians of alternated timings: verify of 1..16
-nodes, a draft of 1..8 rows, the draft's catch-up per token.
+record: per context (the width study's context at each depth, the first N cohort prompts),
+the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
+position of it, which depends only on the context (DESIGN.md: a node's logits do not depend
+on the batch), so whatever rounds a policy runs, its drafts are these; and the costs there,
+medians of alternated timings: verify of 1..16 nodes, a draft of 1..8 rows, the draft's
+catch-up per token.
 replay: a fake engine whose verify returns logits picking the recorded continuation and
 advances the clock by the recorded verify cost; a replay drafter that returns the recorded
 lattice and advances it by the draft cost. The clock is the real one plus those costs, so the
-policy's own Python still counts, measured live. Per depth: fixed widths (verify="tree") and
-auto, `--requests` requests in a row on one WidthRule (as a server's band), the first request
-(a fresh rule) and the mean of the rest reported in decode tokens/s.
+policy's own Python still counts, measured live (on the bundled target, whose rounds take
+~1 ms, that part stays noisy). Per context: fixed widths (verify="tree"), the chain and auto,
+each `--requests` requests in a row on one WidthRule (as a server's band), the first request
+(a fresh rule) and the mean of the rest in decode tokens/s; over several contexts, auto
+against the chain's geometric mean.
 """
 import argparse
 import json
@@ -38,42 +42,49 @@ def _median_times(fn, args, reps):
     return [float(np.median(out[a])) for a in args]
 
 
+def record_context(model, d, name, prompt, a):
+    """The greedy continuation of `prompt`, the draft's lattice at each of its positions and
+    the costs at this context."""
+    seq = model.generate(prompt, verify="off", max_tokens=a.max_tokens + 1).tokens
+    d.reset()
+    lattices = []
+    for p in range(len(seq)):
+        lat = d.draft(prompt + seq[:p], seq[p], 8)
+        lattices.append([[t.tolist() for t in lat.tokens], [lp.tolist() for lp in lat.logprobs]])
+        d.advance([seq[p]])
+    eng = model.engine
+    eng.reset()
+    eng.prefill(prompt)
+    root = prompt[-1]
+    verify = _median_times(lambda n: eng.verify([root] * n, list(range(-1, n - 1))),
+                           list(range(1, 17)), a.reps)
+    d.reset()
+    d.sync(prompt)
+    draft = _median_times(lambda r: d.draft(prompt, root, r), list(range(1, 9)), a.reps)
+    t = time.perf_counter()
+    d.reset()
+    d.sync(prompt)
+    catch_up = (time.perf_counter() - t) / len(prompt)
+    print(f"{name}: verify ms", " ".join(f"{v * 1e3:.1f}" for v in verify),
+          "| draft ms", " ".join(f"{v * 1e3:.2f}" for v in draft))
+    return {"name": name, "prompt_len": len(prompt), "seq": seq, "lattices": lattices,
+            "verify_s": verify, "draft_s": draft, "catch_up_per_token_s": catch_up}
+
+
 def record(a):
     import sapwood
+    from sapwood.benchmarks.common import load_cohort
     from sapwood.benchmarks.width import context_text
 
-    model = sapwood.load(a.model, max_context=max(a.depths) + a.max_tokens + 64)
-    ids = model.encode(context_text(6 * max(a.depths) + 1000))
-    d = model.resolve_drafter("default")
-    out = {"model": a.model, "depths": []}
-    for depth in a.depths:
-        prompt = ids[:max(depth, 1)]
-        seq = model.generate(prompt, verify="off", max_tokens=a.max_tokens + 1).tokens
-        d.reset()
-        lattices = []
-        for p in range(len(seq)):
-            ctx = prompt + seq[:p]
-            lat = d.draft(ctx, seq[p], 8)
-            lattices.append([[t.tolist() for t in lat.tokens], [lp.tolist() for lp in lat.logprobs]])
-            d.advance([seq[p]])
-        eng = model.engine
-        eng.reset()
-        eng.prefill(prompt)
-        root = prompt[-1]
-        verify = _median_times(lambda n: eng.verify([root] * n, list(range(-1, n - 1))),
-                               list(range(1, 17)), a.reps)
-        d.reset()
-        d.sync(prompt)
-        draft = _median_times(lambda r: d.draft(prompt, root, r), list(range(1, 9)), a.reps)
-        t = time.perf_counter()
-        d.reset()
-        d.sync(prompt)
-        catch_up = (time.perf_counter() - t) / len(prompt)
-        out["depths"].append({"depth": depth, "prompt_len": len(prompt), "seq": seq,
-                              "lattices": lattices, "verify_s": verify, "draft_s": draft,
-                              "catch_up_per_token_s": catch_up})
-        print(f"depth {depth}: verify ms", " ".join(f"{v * 1e3:.1f}" for v in verify),
-              "| draft ms", " ".join(f"{v * 1e3:.2f}" for v in draft))
+    model = sapwood.load(a.model, max_context=max(a.depths + [512]) + a.max_tokens + 64)
+    d = model.resolve_drafter(a.drafter)
+    contexts = []
+    if a.depths:
+        ids = model.encode(context_text(6 * max(a.depths) + 1000))
+        contexts += [(f"depth {n}", ids[:max(n, 1)]) for n in a.depths]
+    contexts += [(p["id"], model._prompt_ids(p["text"])) for p in load_cohort()[:a.cohort]]
+    out = {"model": a.model, "drafter": a.drafter,
+           "contexts": [record_context(model, d, name, prompt, a) for name, prompt in contexts]}
     with open(a.out, "w") as f:
         json.dump(out, f)
 
@@ -159,8 +170,8 @@ def replay_arm(rec, arm, requests, max_tokens, trace=False):
     out = []
     for _ in range(requests):
         eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
-        if arm == "auto":
-            cfg = G.DecodeConfig(max_tokens=max_tokens, verify="auto", width=16)
+        if arm in ("auto", "chain"):
+            cfg = G.DecodeConfig(max_tokens=max_tokens, verify=arm, width=16)
         else:
             cfg = G.DecodeConfig(max_tokens=max_tokens, verify="tree", width=int(arm))
         log = []
@@ -179,20 +190,31 @@ def replay_arm(rec, arm, requests, max_tokens, trace=False):
 
 def replay(a):
     data = json.load(open(a.rec))
-    lo, hi = (int(x) for x in a.widths.split("-"))
+    lo, hi = (int(x) for x in a.widths.split("-")) if a.widths else (1, 0)
+    ratios = {"first": [], "later": []}
     try:
-        for rec in data["depths"]:
+        for rec in data["contexts"]:
+            n = min(a.max_tokens, len(rec["seq"]) - 1)
             rows = {}
-            for arm in [str(w) for w in range(lo, hi + 1)] + ["auto"]:
-                rows[arm] = replay_arm(rec, arm, a.requests, a.max_tokens,
+            for arm in [str(w) for w in range(lo, hi + 1)] + ["chain", "auto"]:
+                rows[arm] = replay_arm(rec, arm, a.requests, n,
                                        trace=a.trace and arm in ("auto", a.trace))
             later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
-            best = max((k for k in rows if k != "auto"), key=lambda k: later[k])
-            print(f"depth {rec['depth']}: fixed " + " ".join(
-                f"w{k}:{later[k]:.0f}" for k in rows if k != "auto"))
-            print(f"  best fixed w={best} {later[best]:.1f} tok/s; auto {later['auto']:.1f} "
-                  f"(x{later['auto'] / later[best]:.3f}); first request: auto "
-                  f"{rows['auto'][0]:.1f} (x{rows['auto'][0] / rows[best][0]:.3f} of w={best}'s first)")
+            fixed = [k for k in rows if k not in ("auto", "chain")]
+            line = (f"{rec['name']}: auto {later['auto']:.1f} tok/s, x{later['auto'] / later['chain']:.3f}"
+                    f" of the chain (first request x{rows['auto'][0] / rows['chain'][0]:.3f})")
+            ratios["later"].append(later["auto"] / later["chain"])
+            ratios["first"].append(rows["auto"][0] / rows["chain"][0])
+            if fixed:
+                best = max(fixed, key=lambda k: later[k])
+                line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
+                         f" (first request x{rows['auto'][0] / rows[best][0]:.3f})\n  fixed: " +
+                         " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
+            print(line)
+        if len(data["contexts"]) > 1:
+            g = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
+            print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
+                  f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
     finally:
         G.time = time
 
@@ -202,7 +224,9 @@ def main():
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record")
     r.add_argument("--model", default="default")
-    r.add_argument("--depths", type=int, nargs="+", default=[1, 2048])
+    r.add_argument("--drafter", default="default", help="a draft model (its top 4 per row)")
+    r.add_argument("--depths", type=int, nargs="*", default=[1, 2048])
+    r.add_argument("--cohort", type=int, default=0, help="also the first N cohort prompts")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--reps", type=int, default=9)
     r.add_argument("--out", default="replay_width.json")
@@ -210,7 +234,7 @@ def main():
     p.add_argument("rec")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--widths", default="1-16")
+    p.add_argument("--widths", default="1-16", help="fixed widths lo-hi ('' for none)")
     p.add_argument("--trace", nargs="?", const="auto", default=None,
                    help="print auto's rounds (and those of a fixed width given here)")
     a = ap.parse_args()

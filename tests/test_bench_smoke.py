@@ -128,3 +128,35 @@ def test_kernel_microbenchmarks_smoke():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout
+
+
+def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, capsys):
+    """bench/replay_width.py: record a depth and a cohort prompt with a tiny draft model, then
+    replay fixed widths, the chain and auto through the real decoder on the virtual clock
+    (each replayed request asserts it emitted the recorded continuation)."""
+    import importlib.util
+
+    draft = tmp_path / "draft"
+    make_tiny_checkpoint(draft, seed=2)
+    spec = importlib.util.spec_from_file_location(
+        "replay_width", Path(__file__).resolve().parent.parent / "bench" / "replay_width.py")
+    rw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rw)
+    rec = tmp_path / "rec.json"
+    argv = sys.argv
+    try:
+        sys.argv = ["replay_width", "record", "--model", str(ckpt), "--drafter", str(draft),
+                    "--depths", "8", "--cohort", "1", "--max-tokens", "6", "--reps", "1",
+                    "--out", str(rec)]
+        rw.main()
+        data = json.loads(rec.read_text())
+        assert [c["name"] for c in data["contexts"]][0] == "depth 8" and len(data["contexts"]) == 2
+        c = data["contexts"][0]
+        assert len(c["lattices"]) == len(c["seq"]) and len(c["verify_s"]) == 16
+        sys.argv = ["replay_width", "replay", str(rec), "--requests", "2", "--widths", "1-3"]
+        rw.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "best fixed w=" in out and "geometric mean" in out
+    assert rw.G.time is __import__("time")  # the decoder's clock is restored
