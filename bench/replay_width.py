@@ -159,64 +159,70 @@ class ReplayDrafter:
                        logprobs=[np.array(lp) for lp in lps[:rows]])
 
 
-def replay_arm(rec, arm, requests, max_tokens, trace=False):
-    """Decode tokens/s of `requests` requests in a row on one WidthRule (trace: print each
-    request's rounds, width:tokens/ms)."""
+def replay_request(rec, arm, rule, max_tokens, trace=False) -> float:
+    """One request of `arm` on `rule` (trace: print its rounds, mode width:tokens/ms);
+    returns its decode tokens/s."""
     clock = Clock()
-    G.time = clock  # the decoder's clock (restored by the caller)
+    G.time = clock  # the decoder's clock (restored by replay())
     vocab = 1 + max(max(rec["seq"]), max(max(max(r) for r in lat[0]) for lat in rec["lattices"]))
-    rule = G.WidthRule()
-    prompt = [0] * rec["prompt_len"]
-    out = []
-    for _ in range(requests):
-        eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
-        if arm in ("auto", "chain"):
-            cfg = G.DecodeConfig(max_tokens=max_tokens, verify=arm, width=16)
-        else:
-            cfg = G.DecodeConfig(max_tokens=max_tokens, verify="tree", width=int(arm))
-        log = []
-        dec = G.Decoder(eng, drafter, cfg, rule=rule,
-                        on_round=lambda t, path, sec: log.append((t.width, len(path), sec)))
-        modes, mode_of = [], dec._mode
-        dec._mode = lambda: modes.append(mode_of()) or modes[-1]
-        toks = list(dec.run(prompt))
-        if trace:  # c: chain, w: wide, p: plain, t: fixed tree
-            print(f"  {arm}: " + " ".join(f"{m[0]}{w}:{k}/{sec * 1e3:.0f}"
-                                          for m, (w, k, sec) in zip(modes, log)))
-        assert toks == rec["seq"][:len(toks)], "the replay changed the output"
-        out.append(dec.stats.decode_tokens_per_s)
-    return out
+    eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
+    if arm in ("auto", "chain"):
+        cfg = G.DecodeConfig(max_tokens=max_tokens, verify=arm, width=16)
+    else:
+        cfg = G.DecodeConfig(max_tokens=max_tokens, verify="tree", width=int(arm))
+    log = []
+    dec = G.Decoder(eng, drafter, cfg, rule=rule,
+                    on_round=lambda t, path, sec: log.append((t.width, len(path), sec)))
+    modes, mode_of = [], dec._mode
+    dec._mode = lambda: modes.append(mode_of()) or modes[-1]
+    toks = list(dec.run([0] * rec["prompt_len"]))
+    if trace:  # c: chain, w: wide, p: plain, t: fixed tree
+        print(f"  {rec['name']} {arm}: " + " ".join(f"{m[0]}{w}:{k}/{sec * 1e3:.0f}"
+                                      for m, (w, k, sec) in zip(modes, log)))
+    assert toks == rec["seq"][:len(toks)], "the replay changed the output"
+    return dec.stats.decode_tokens_per_s
 
 
 def replay(a):
+    """Per arm, `requests` passes over the contexts. Each context has its own WidthRule per
+    arm (a band asked the same prompt again and again, as the width study does), or with
+    --shared one rule per arm serves every context in turn (a server's band of varied prompts,
+    as `sapwood bench ab` runs the cohort)."""
     data = json.load(open(a.rec))
+    contexts = data["contexts"]
     lo, hi = (int(x) for x in a.widths.split("-")) if a.widths else (1, 0)
-    ratios = {"first": [], "later": []}
+    arms = [str(w) for w in range(lo, hi + 1)] + ["chain", "auto"]
+    rules = {}
+    tps = {(c["name"], arm): [] for c in contexts for arm in arms}
     try:
-        for rec in data["contexts"]:
-            n = min(a.max_tokens, len(rec["seq"]) - 1)
-            rows = {}
-            for arm in [str(w) for w in range(lo, hi + 1)] + ["chain", "auto"]:
-                rows[arm] = replay_arm(rec, arm, a.requests, n,
-                                       trace=a.trace and arm in ("auto", a.trace))
-            later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
-            fixed = [k for k in rows if k not in ("auto", "chain")]
-            line = (f"{rec['name']}: auto {later['auto']:.1f} tok/s, x{later['auto'] / later['chain']:.3f}"
-                    f" of the chain (first request x{rows['auto'][0] / rows['chain'][0]:.3f})")
-            ratios["later"].append(later["auto"] / later["chain"])
-            ratios["first"].append(rows["auto"][0] / rows["chain"][0])
-            if fixed:
-                best = max(fixed, key=lambda k: later[k])
-                line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
-                         f" (first request x{rows['auto'][0] / rows[best][0]:.3f})\n  fixed: " +
-                         " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
-            print(line)
-        if len(data["contexts"]) > 1:
-            g = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
-            print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
-                  f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
+        for _ in range(a.requests):
+            for c in contexts:
+                n = min(a.max_tokens, len(c["seq"]) - 1)
+                for arm in arms:
+                    rule = rules.setdefault(arm if a.shared else (c["name"], arm), G.WidthRule())
+                    tps[c["name"], arm].append(replay_request(
+                        c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace)))
     finally:
         G.time = time
+    ratios = {"first": [], "later": []}
+    for c in contexts:
+        rows = {arm: tps[c["name"], arm] for arm in arms}
+        later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
+        fixed = arms[:-2]
+        line = (f"{c['name']}: auto {later['auto']:.1f} tok/s, x{later['auto'] / later['chain']:.3f}"
+                f" of the chain (first request x{rows['auto'][0] / rows['chain'][0]:.3f})")
+        ratios["later"].append(later["auto"] / later["chain"])
+        ratios["first"].append(rows["auto"][0] / rows["chain"][0])
+        if fixed:
+            best = max(fixed, key=lambda k: later[k])
+            line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
+                     f" (first request x{rows['auto'][0] / rows[best][0]:.3f})\n  fixed: " +
+                     " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
+        print(line)
+    if len(contexts) > 1:
+        g = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
+        print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
+              f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
 
 
 def main():
@@ -235,8 +241,10 @@ def main():
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--widths", default="1-16", help="fixed widths lo-hi ('' for none)")
+    p.add_argument("--shared", action="store_true",
+                   help="one WidthRule per arm for all contexts (a band of varied prompts)")
     p.add_argument("--trace", nargs="?", const="auto", default=None,
-                   help="print auto's rounds (and those of a fixed width given here)")
+                   help="print auto's and the chain's rounds (and a fixed width's given here)")
     a = ap.parse_args()
     record(a) if a.cmd == "record" else replay(a)
 
