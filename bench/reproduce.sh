@@ -30,3 +30,18 @@ fi
 sapwood bench peers --reps 6 ${GGUF[@]:+--gguf "${GGUF[@]}"} --out $R/peers.json | tee $R/peers.txt
 sapwood bench width --depths 0 2048 8192 32768 --reps 6 --max-tokens 64 --out $R/width.json | tee $R/width.txt
 python bench/realistic.py --weights q8 --contexts 64 4096 --reps 6 --json $R/realistic.json | tee $R/realistic.txt
+# The bundled pair with its target padded to a realistic cost (same function bit for bit;
+# README "Speculation at a realistic cost"), and the policy replays recorded on it
+P=$R/padded
+mkdir -p $P
+python scripts/pad_checkpoint.py default /tmp/padded --intermediate 8192 --layers 32
+for ab in "verify=off verify=chain,drafter=default off_vs_chain" "verify=chain,drafter=default verify=auto,drafter=default chain_vs_auto" \
+          "verify=off verify=auto,drafter=default off_vs_auto"; do
+  set -- $ab
+  sapwood bench ab --model /tmp/padded --a $1 --b $2 --max-tokens 64 --blocks 4 --processes 3 --out $P/ab_$3.json | tee $P/ab_$3.txt
+done
+sapwood bench width --model /tmp/padded --drafter default --depths 0 2048 --reps 4 --max-tokens 64 --out $P/width.json | tee $P/width.txt
+python bench/replay_width.py record --model /tmp/padded --depths 1 2048 --out $P/replay_depths.json
+python bench/replay_width.py replay $P/replay_depths.json --requests 8 | tee $P/replay_depths.txt
+python bench/replay_width.py record --model /tmp/padded --depths --cohort 13 --out $P/replay_cohort.json
+python bench/replay_width.py replay $P/replay_cohort.json --widths "" --shared --requests 4 | tee $P/replay_cohort_shared.txt
