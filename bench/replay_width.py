@@ -6,6 +6,7 @@ width studies (`sapwood bench width`) could not tell a 3% change from none.
     python bench/replay_width.py record --model DIR [--depths 1 2048] [--cohort 13]
                                         [--drafter default] [--max-tokens 64] [--out rec.json]
     python bench/replay_width.py replay rec.json [--requests 8] [--widths 1-16] [--trace [W]]
+                                       [--shared] [--python-ms 0.4]
 
 record: per context (the width study's context at each depth, the first N cohort prompts),
 the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
@@ -90,13 +91,15 @@ def record(a):
 
 
 class Clock:
-    """Real time plus simulated engine and draft costs: the decoder's `time` while replaying."""
+    """Real time plus simulated engine and draft costs: the decoder's `time` while replaying.
+    With `python_s` set, no real time: each verify also costs python_s for the round's Python,
+    so a replay is deterministic (exploration draws come from a seeded generator)."""
 
-    def __init__(self):
-        self.extra = 0.0
+    def __init__(self, python_s=None):
+        self.extra, self.python_s = 0.0, python_s
 
     def perf_counter(self):
-        return time.perf_counter() + self.extra
+        return self.extra if self.python_s is not None else time.perf_counter() + self.extra
 
 
 class FakeEngine:
@@ -120,7 +123,7 @@ class FakeEngine:
 
     def verify(self, tokens, parents):
         n = len(tokens)
-        self.clock.extra += self.rec["verify_s"][min(n, 16) - 1]
+        self.clock.extra += self.rec["verify_s"][min(n, 16) - 1] + (self.clock.python_s or 0.0)
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[parents[i]] + 1
@@ -159,10 +162,10 @@ class ReplayDrafter:
                        logprobs=[np.array(lp) for lp in lps[:rows]])
 
 
-def replay_request(rec, arm, rule, max_tokens, trace=False) -> float:
+def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None) -> float:
     """One request of `arm` on `rule` (trace: print its rounds, mode width:tokens/ms);
     returns its decode tokens/s."""
-    clock = Clock()
+    clock = Clock(python_s)
     G.time = clock  # the decoder's clock (restored by replay())
     vocab = 1 + max(max(rec["seq"]), max(max(max(r) for r in lat[0]) for lat in rec["lattices"]))
     eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
@@ -201,7 +204,8 @@ def replay(a):
                 for arm in arms:
                     rule = rules.setdefault(arm if a.shared else (c["name"], arm), G.WidthRule())
                     tps[c["name"], arm].append(replay_request(
-                        c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace)))
+                        c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace),
+                        python_s=None if a.python_ms is None else a.python_ms / 1e3))
     finally:
         G.time = time
     ratios = {"first": [], "later": []}
@@ -241,6 +245,8 @@ def main():
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--widths", default="1-16", help="fixed widths lo-hi ('' for none)")
+    p.add_argument("--python-ms", type=float, default=None,
+                   help="deterministic: no real time, this much Python per round instead")
     p.add_argument("--shared", action="store_true",
                    help="one WidthRule per arm for all contexts (a band of varied prompts)")
     p.add_argument("--trace", nargs="?", const="auto", default=None,
