@@ -266,8 +266,9 @@ class DraftLength:
     `prior_keep`; then E(R) = 1 + sum_{r<=R} S(r) and a round costs fixed + R * per_row
     (per_row: the measured draft time per row plus the cost model's verify slope; fixed: the
     rest of the round). R maximises E(R) / cost(R). Rows never drafted lately take the pooled
-    keep rate, and a round that kept all its rows lengthens the next by two. Speed only: any
-    R gives the same output."""
+    keep rate, and a round that kept all its rows lengthens the next by two. The WidthRule
+    keeps one per context band (draft_length): the costs carry across requests, the rows'
+    history does not (begin_request). Speed only: any R gives the same output."""
 
     def __init__(self, max_rows: int = 8, window: int = 16, prior: float = 2.0,
                  prior_keep: float = 0.8):
