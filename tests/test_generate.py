@@ -441,6 +441,26 @@ def test_acceptance_follows_draft_confidence_and_the_rule_cuts_unsure_tails():
     assert rule.choose(t, ctx=64) == 5
 
 
+def test_acceptance_is_calibrated_per_context_band_over_the_drafters():
+    """Each context band counts its own acceptances, with the drafter's calibration over all
+    bands as the prior: a band the draft follows and one it does not part ways, and a band
+    never seen starts from the drafter's."""
+    rule = WidthRule()
+    near, far = rule.acceptance_for(100), rule.acceptance_for(5000)
+    assert near is rule.acceptance_for(900) and near is not far
+    assert near.parent is rule.acceptance and far.parent is rule.acceptance
+    lat = Lattice(tokens=[np.array([10 + r]) for r in range(4)], logprobs=[np.log([0.5])] * 4)
+    t = chain(1, lat, 4)
+    for _ in range(40):
+        near.observe(t, [0, 1, 2, 3, 4])  # every row kept
+        far.observe(t, [0])               # the first row rejected
+    def c(acc):
+        return acc.chance([0], [np.log(0.5)])[0]
+    assert c(near) > 0.9 and c(far) < 0.1
+    assert c(far) < c(rule.acceptance) < c(near)  # the drafter's saw both
+    assert c(rule.acceptance_for(40000)) == c(rule.acceptance)
+
+
 def test_width_rule_prefers_a_confident_chain_over_a_bushy_tree():
     """With acceptance high along rank 0 at every depth, the drafter's deep chain beats every
     prefix of a tree that spends its width on siblings near the root."""

@@ -182,7 +182,7 @@ class Decoder:
         if mode == "chain":
             return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
-        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance.chance)
+        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance_for(self.engine.position).chance)
         if mode == "tree":
             return full, True, None
         ctx = self.engine.position
@@ -311,7 +311,7 @@ class Decoder:
                                                round_s - catch_up_s, self._verify_slope())
                     self._drafted = (0, 0.0)
                     self.ema.update(len(path) - 1)
-                    self.rule.acceptance.observe(tree, path)
+                    self.rule.acceptance_for(ctx).observe(tree, path)
                     self.rule.observe_round(tree.is_chain, len(path), round_s - catch_up_s,
                                             (mode == "wide") if self._eligible else None)
                     if not calibration:  # a calibration round has fed its own verify timings

@@ -208,15 +208,17 @@ class AcceptanceModel:
 
     EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])  # 11 buckets
 
-    def __init__(self, max_rank=16, prior_strength=2.0):
+    def __init__(self, max_rank=16, prior_strength=2.0, parent: "AcceptanceModel | None" = None):
         # The prior is by rank only (top ranks likely), not the bucket's own probability: drafts
         # are often far from calibrated (the bundled one is underconfident: rank-0 candidates it
         # gives 0.2-0.35 are accepted ~90% of the time), and a pessimistic prior for a bucket
-        # never verified would never be corrected.
+        # never verified would never be corrected. With a parent (WidthRule.acceptance_for: a
+        # context band's model under the drafter's), a cell's prior is the parent's chance.
         self.prior = np.tile((0.7 / (1.0 + np.arange(max_rank)))[:, None], (1, len(self.EDGES) + 1))
         self.offered = np.zeros_like(self.prior)
         self.accepted = np.zeros_like(self.prior)
         self.strength = prior_strength
+        self.parent = parent
 
     # bucket edges as log-probabilities: a cell is looked up from the drafter's log-probability
     # directly, by numpy for a lattice (chance) and by bisect for a round's few nodes (observe)
@@ -229,13 +231,18 @@ class AcceptanceModel:
         return r, c
 
     def chance(self, rank, logprob):
-        r, c = self._cell(np.asarray(rank), np.asarray(logprob, float))
-        return (self.accepted[r, c] + self.strength * self.prior[r, c]) / (self.offered[r, c] + self.strength)
+        return self._chance(*self._cell(np.asarray(rank), np.asarray(logprob, float)))
+
+    def _chance(self, r, c):
+        prior = self.prior[r, c] if self.parent is None else self.parent._chance(r, c)
+        return (self.accepted[r, c] + self.strength * prior) / (self.offered[r, c] + self.strength)
 
     def observe(self, tree: Tree, path) -> None:
         """Count every node whose parent the path reached: offered, and accepted if on the path.
         Plain Python over the round's few nodes: the numpy version (np.add.at) took 8 us a call
         in a timeit loop and ~37 us a chain round under a per-function timer in generation."""
+        if self.parent is not None:
+            self.parent.observe(tree, path)
         on_path = set(path)
         last_r = self.offered.shape[0] - 1
         for node, (parent, rank, q) in enumerate(zip(tree.parents.tolist(), tree.rank.tolist(),
@@ -574,6 +581,7 @@ class WidthRule:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     fallbacks: dict = field(default_factory=dict)  # context band -> PlainFallback
     draft_lengths: dict = field(default_factory=dict)  # (context band, max rows) -> DraftLength
+    band_acceptance: dict = field(default_factory=dict)  # context band -> AcceptanceModel
     tree_explore_every: int = 16  # trees_pay()
     grow_free_s: float = 5e-3  # trees_pay(): rounds this long always grow a tree
     round_decay: float = 0.9  # realized(), trees_pay(): about the last 10 rounds of a shape
@@ -599,6 +607,20 @@ class WidthRule:
         pf.begin_request(cap)
         return pf
 
+    def acceptance_for(self, ctx: int) -> AcceptanceModel:
+        """The acceptance calibration of ctx's context band: the band's own counts, with the
+        drafter's over every band (`acceptance`, which each band's observations also feed) as
+        their prior. What a draft's confidence is worth moves with the context: replayed as one
+        band of requests at depths 1, 2K and 8K in turn (bench/replay_width.py --shared, padded
+        target), one calibration for all ran auto at 154 / 105 / 120 tok/s where each depth
+        alone ran at 183 / 110 / 117; per band, 181 / 115 / 119 (the bundled target unpadded:
+        auto / chain x0.995 -> x1.037; each depth alone and the cohort, one band, unchanged)."""
+        band = self.cost._band(ctx)
+        acc = self.band_acceptance.get(band)
+        if acc is None:
+            acc = self.band_acceptance[band] = AcceptanceModel(parent=self.acceptance)
+        return acc
+
     def draft_length(self, ctx: int, max_rows: int = 8) -> DraftLength:
         """The DraftLength of ctx's band (and max_rows), ready for a new request."""
         dl = self.draft_lengths.setdefault((self.cost._band(ctx), int(max_rows)),
@@ -611,7 +633,7 @@ class WidthRule:
         predicted round times of widths 1.. when already computed)."""
         if costs is None:
             costs = self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
-        return self.acceptance.expected_tokens(tree) / costs[:tree.width]
+        return self.acceptance_for(ctx).expected_tokens(tree) / costs[:tree.width]
 
     def _pick(self, rate: np.ndarray, min_width: int = 1) -> int:
         if min_width > 1 and len(rate) >= min_width:
@@ -657,7 +679,8 @@ class WidthRule:
         round: probes on the padded target at depth 2K that chose the root failed, and the
         request stayed plain where width 3 ran at 1.2x)."""
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
-        es = [self.acceptance.expected_tokens(t) for t in candidates]
+        acc = self.acceptance_for(ctx)
+        es = [acc.expected_tokens(t) for t in candidates]
         rates = [e / costs[:t.width] * self.realized(t.is_chain, t.width)
                  for e, t in zip(es, candidates)]
         k = int(np.argmax([r[min_width - 1:].max() if len(r) >= min_width else r.max()
