@@ -202,7 +202,8 @@ def replay(a):
             for c in contexts:
                 n = min(a.max_tokens, len(c["seq"]) - 1)
                 for arm in arms:
-                    rule = rules.setdefault(arm if a.shared else (c["name"], arm), G.WidthRule())
+                    key = (None if a.one_rule else arm) if a.shared else (c["name"], None if a.one_rule else arm)
+                    rule = rules.setdefault(key, G.WidthRule())
                     tps[c["name"], arm].append(replay_request(
                         c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace),
                         python_s=None if a.python_ms is None else a.python_ms / 1e3))
@@ -247,6 +248,8 @@ def main():
     p.add_argument("--widths", default="1-16", help="fixed widths lo-hi ('' for none)")
     p.add_argument("--python-ms", type=float, default=None,
                    help="deterministic: no real time, this much Python per round instead")
+    p.add_argument("--one-rule", action="store_true",
+                   help="the arms share their WidthRule too (as `sapwood bench ab` arms do)")
     p.add_argument("--shared", action="store_true",
                    help="one WidthRule per arm for all contexts (a band of varied prompts)")
     p.add_argument("--trace", nargs="?", const="auto", default=None,
