@@ -88,6 +88,26 @@ def test_ab_detects_different_outputs(ckpt):
                blocks=1, log=lambda *_: None)
 
 
+def test_ab_arms_learn_their_own_policy(ckpt):
+    """Each arm's requests run on a policy state of its own; the model's stays untouched."""
+    import sapwood
+    m = sapwood.load(ckpt)
+    prompts = [{"id": "x", "kind": "code", "text": "def f(): return f() + f()"}]
+    seen = []
+    generate = m.generate
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("verify"), id(m._width_rules)))
+        return generate(*args, **kwargs)
+    m.generate = spy
+    run_ab(m, {"verify": "chain", "drafter": "lookup"}, {"verify": "auto", "drafter": "lookup"},
+           prompts, max_tokens=8, blocks=1, log=lambda *_: None)
+    assert m._width_rules == {}  # the model's own: never used
+    by_arm = {v: {s for a, s in seen if a == v} for v in ("chain", "auto")}
+    assert len(by_arm["chain"]) == 1 and len(by_arm["auto"]) == 1
+    assert by_arm["chain"] != by_arm["auto"]
+
+
 def test_accepted_by_width_uses_the_prefix_property():
     t = Tree(np.array([5, 1, 2, 3, 4]), np.array([-1, 0, 0, 1, 3]), np.array([0, 1, 1, 2, 3]),
              np.array([-1, 0, 1, 0, 0]), np.zeros(5))

@@ -1,6 +1,7 @@
 """`Model`: a loaded checkpoint (engine, tokenizer, config). Build one with `sapwood.load`."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from .reference.model import FULL, ModelConfig
@@ -100,6 +101,17 @@ class Model:
         if key not in self._width_rules:
             self._width_rules[key] = WidthRule()
         return self._width_rules[key]
+
+    @contextmanager
+    def policy_state(self, state: dict):
+        """Requests in this block learn and use the speculation policy kept in `state` (a dict
+        the model fills with its width rules) instead of the model's own: `sapwood bench ab`
+        gives each arm its own, as two servers of the two configurations would have."""
+        saved, self._width_rules = self._width_rules, state
+        try:
+            yield
+        finally:
+            self._width_rules = saved
 
     def reset_width_rules(self) -> None:
         """Forget what the speculation policy measured (a fresh process's first request)."""

@@ -1,5 +1,6 @@
 """The A/B protocol of DESIGN.md: two arms in one process on one engine, ABBA/BAAB blocks after
 excluded warm-up samples, identical output tokens checked on every sample, per-block verdicts.
+Each arm keeps its own speculation policy state (run_ab).
 
 Per block each arm has two samples; spread = |t1 - t2| / mean(t1, t2) of an arm's pair. A block
 with spread > 5% in either arm is inconclusive; otherwise B's change in tokens/s against A
@@ -21,10 +22,11 @@ from .common import dump_json, geomean, load_cohort, machine, model_identity, pa
 INCONCLUSIVE_SPREAD = 0.05
 
 
-def _sample(model, arm: dict, prompt: str, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    r = model.generate(prompt, max_tokens=max_tokens, **arm)
-    wall = time.perf_counter() - t0
+def _sample(model, arm: dict, prompt: str, max_tokens: int, policy: dict) -> dict:
+    with model.policy_state(policy):
+        t0 = time.perf_counter()
+        r = model.generate(prompt, max_tokens=max_tokens, **arm)
+        wall = time.perf_counter() - t0
     s = r.stats
     return {"tokens": r.tokens, "wall_s": wall, "tok_s": s.tokens / wall,
             "decode_tok_s": s.decode_tokens_per_s, "ttft_s": s.prefill_s,
@@ -45,12 +47,18 @@ def block_verdict(a_pair, b_pair) -> dict:
 def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=64, blocks=2,
            warmup=1, log=print) -> dict:
     arms = {"A": arm_a, "B": arm_b}
+    # Each arm learns its own speculation policy (width rules: costs, calibration, draft
+    # lengths), as a server running that configuration would. Shared, the chain arm's rounds
+    # set the draft length the auto arm's requests started from: replayed on the padded
+    # target's cohort (bench/replay_width.py --one-rule), auto / chain x1.042 shared against
+    # x1.077 apart (the chain x1.027 faster shared, auto x0.994).
+    policy = {"A": {}, "B": {}}
     per_prompt = []
     for p in prompts:
         ref = None
         for _ in range(warmup):  # excluded from timing; also fixes the reference tokens
             for name in "AB":
-                s = _sample(model, arms[name], p["text"], max_tokens)
+                s = _sample(model, arms[name], p["text"], max_tokens, policy[name])
                 ref = ref or s["tokens"]
                 if s["tokens"] != ref:
                     raise AssertionError(f"{p['id']}: arm {name} output differs in warm-up")
@@ -61,7 +69,7 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
             order = "ABBA" if b % 2 == 0 else "BAAB"
             samples = {"A": [], "B": []}
             for name in order:
-                s = _sample(model, arms[name], p["text"], max_tokens)
+                s = _sample(model, arms[name], p["text"], max_tokens, policy[name])
                 if s.pop("tokens") != ref:
                     raise AssertionError(f"{p['id']}: arm {name} output differs from the reference")
                 samples[name].append(s)
