@@ -6,7 +6,7 @@ width studies (`sapwood bench width`) could not tell a 3% change from none.
     python bench/replay_width.py record --model DIR [--depths 1 2048] [--cohort 13]
                                         [--drafter default] [--max-tokens 64] [--out rec.json]
     python bench/replay_width.py replay rec.json [--requests 8] [--widths 1-16] [--trace [W]]
-                                       [--shared] [--python-ms 0.4]
+                                       [--shared] [--one-rule] [--python-ms 0.4]
 
 record: per context (the width study's context at each depth, the first N cohort prompts),
 the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
@@ -190,7 +190,7 @@ def replay(a):
     """Per arm, `requests` passes over the contexts. Each context has its own WidthRule per
     arm (a band asked the same prompt again and again, as the width study does), or with
     --shared one rule per arm serves every context in turn (a server's band of varied prompts,
-    as `sapwood bench ab` runs the cohort)."""
+    as `sapwood bench ab` runs the cohort); --one-rule: the arms share theirs."""
     data = json.load(open(a.rec))
     contexts = data["contexts"]
     lo, hi = (int(x) for x in a.widths.split("-")) if a.widths else (1, 0)
@@ -202,7 +202,7 @@ def replay(a):
             for c in contexts:
                 n = min(a.max_tokens, len(c["seq"]) - 1)
                 for arm in arms:
-                    key = (None if a.one_rule else arm) if a.shared else (c["name"], None if a.one_rule else arm)
+                    key = (None if a.shared else c["name"], None if a.one_rule else arm)
                     rule = rules.setdefault(key, G.WidthRule())
                     tps[c["name"], arm].append(replay_request(
                         c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace),

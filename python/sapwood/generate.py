@@ -148,7 +148,8 @@ class Decoder:
         if mode == "auto":
             if self.plain.plain_s is None:  # unmeasured: the fallback takes a guess
                 ctx, cost = self.engine.position, self.rule.cost
-                self.plain.plain_guess_s = sum(cost.verify_line(ctx)) if cost.calibrated(ctx) else None
+                self.plain.plain_guess_s = (float(cost.verify_widths([1], ctx)[0])
+                                            if cost.calibrated(ctx) else None)
             if self.plain.skip_draft(self._behind):
                 return "plain"
             self._eligible = self.ema.wide()
@@ -182,10 +183,10 @@ class Decoder:
         if mode == "chain":
             return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
-        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance_for(self.engine.position).chance)
+        ctx = self.engine.position
+        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance_for(ctx).chance)
         if mode == "tree":
             return full, True, None
-        ctx = self.engine.position
         if self.rule.cost.calibrated(ctx) or full.width == 1:
             # the drafter's chain competes too: a confident drafter's deep chain can beat every
             # prefix of the best-first tree
@@ -326,8 +327,8 @@ class Decoder:
             st.decode_s = time.perf_counter() - t_start - st.draft_prefill_s
 
     def _verify_slope(self) -> float:
-        """The cost model's seconds per verified node at this context (CostModel.slope: its
-        prior slope, a guess, would shorten drafts before anything is measured)."""
+        """The cost model's seconds per verified node at this context (CostModel.slope; 0
+        before any timing: the prior slope, a guess, would shorten drafts unmeasured)."""
         return self.rule.cost.slope(self.engine.position)
 
     def _catch_up(self) -> None:

@@ -88,7 +88,7 @@ class CostModel:
                  line_weight=2.0):
         self.prior = (float(prior[0]), float(prior[1]))
         self.per_width, self.rest_window = per_width, rest_window
-        self.min_samples, self.line_weight = min_samples, line_weight  # predict_widths
+        self.min_samples, self.line_weight = min_samples, line_weight  # verify_widths
         self._obs: dict[int, dict] = {}     # band -> {width: recent seconds}
         self._meds: dict[int, dict] = {}    # band -> {width: their median, None until asked}
         self._lines: dict[int, tuple] = {}  # band -> fitted (a, b), None when stale
@@ -152,14 +152,18 @@ class CostModel:
         return float(self.predict_widths(np.array([w]), ctx)[0])
 
     def predict_widths(self, ws, ctx) -> np.ndarray:
-        """predict() for an array of widths at one context. A width timed `min_samples` times
-        or more is priced mostly by its own median (n timings against `line_weight` pseudo-
-        timings on the line): a verify's cost is a staircase, not a line (on the padded target
-        at depth 1, 2-core Zen 3, verify of 1..9 nodes took 8.7, 12.2, 13.7, 17.7, 21.4, 23.4,
-        26.5, 31.0, 31.7 ms; not the int8 matmul's tiles of three rows: a two-row tile for the
-        rest left it as it was), and the line
-        through it priced width 3 2.5 ms above width 2 where it costs 1.5 more, so the rule
-        verified 2 nodes where the best fixed width was 3."""
+        """predict() for an array of widths at one context: the rest plus verify_widths."""
+        return np.maximum(self.rest(ctx) + self.verify_widths(ws, ctx), 1e-7)
+
+    def verify_widths(self, ws, ctx) -> np.ndarray:
+        """Predicted verify seconds of each width in `ws` at ctx. A width timed `min_samples`
+        times or more is priced mostly by its own median (n timings against `line_weight`
+        pseudo-timings on the line): a verify's cost is a staircase, not a line (on the padded
+        target at depth 1, 2-core Zen 3, verify of 1..9 nodes took 8.7, 12.2, 13.7, 17.7, 21.4,
+        23.4, 26.5, 31.0, 31.7 ms; not the int8 matmul's tiles of three rows: a two-row tile
+        for the rest left it as it was), and the line through it priced width 3 2.7 ms above
+        width 2 where it costs 1.5 more, so the rule verified 2 nodes where the best fixed
+        width was 3."""
         a, b = self.verify_line(ctx)  # also refreshes the band's medians
         v = a + b * np.asarray(ws, np.float64)
         band = self._band(ctx)
@@ -177,7 +181,7 @@ class CostModel:
                     if m is None:
                         m = meds[w] = _median(obs[w])
                     v[i] = (n * m + k * v[i]) / (n + k)
-        return np.maximum(self.rest(ctx) + v, 1e-7)
+        return v
 
     def observe(self, w, ctx, seconds) -> None:
         """A verify of a w-node tree at ctx took `seconds`."""
@@ -502,15 +506,17 @@ class PlainFallback:
         self._probing = False
         if len(self._tokens) < 2 and not self.prior_plain:
             return False  # time speculation first
-        if self.plain_s is None and (self.plain_guess_s is None or self.prefers_plain()):
-            # then plain rounds, which time plain decoding, unless speculation beats even the
-            # guess of a plain round (the root's predicted verify, less than a plain round
-            # costs, so the guess errs toward timing plain rounds): a fresh band's first
-            # request spent 9 plain rounds timing them, on the bundled pair's padded target at
-            # depth 1 where the best fixed width ran at 1.6x plain decoding
-            return True
+        if self.plain_s is None and self.plain_guess_s is None:
+            return True  # then plain rounds, which time plain decoding
         if not self.prefers_plain():
+            # speculation beats plain rounds, or before they are timed even the guess of one
+            # (the root's predicted verify, less than a plain round costs, so the guess errs
+            # toward timing plain rounds): without it, a fresh band's first request spent 9
+            # plain rounds timing them, on the bundled pair's padded target at depth 1 where
+            # the best fixed width ran at 1.6x plain decoding
             return False
+        if self.plain_s is None:
+            return True  # plain rounds, timed
         self.since_probe += 1
         cost = 0.0 if self._spec is None else self.probe_cost(behind)
         if self.since_probe >= max(self.first_probe, cost / (self.budget * self._plain_round_s())):
@@ -635,10 +641,15 @@ class WidthRule:
             costs = self.cost.predict_widths(np.arange(1, tree.width + 1), ctx)
         return self.acceptance_for(ctx).expected_tokens(tree) / costs[:tree.width]
 
-    def _pick(self, rate: np.ndarray, min_width: int = 1) -> int:
-        if min_width > 1 and len(rate) >= min_width:
-            rate = rate.copy()
+    @staticmethod
+    def _at_least(rate: np.ndarray, min_width: int) -> np.ndarray:
+        """rate (a fresh array, changed in place) with widths below min_width ruled out, where
+        it has that many."""
+        if 1 < min_width <= len(rate):
             rate[:min_width - 1] = -np.inf
+        return rate
+
+    def _pick(self, rate: np.ndarray) -> int:
         if self.explore_every and self.rng.random() * self.explore_every < 1:
             near = np.flatnonzero(rate >= 0.9 * rate.max())
             return int(self.rng.choice(near)) + 1
@@ -647,7 +658,7 @@ class WidthRule:
     def choose(self, tree: Tree, ctx: int, min_width: int = 1) -> int:
         """Best width for this round's candidate tree (built at max width) at context ctx, at
         least min_width where the tree has that many nodes (choose_tree has why)."""
-        return self._pick(self.rate(tree, ctx), min_width)
+        return self._pick(self._at_least(self.rate(tree, ctx), min_width))
 
     def realized(self, chain: bool, widths: int | None = None):
         """Tokens a round of this shape (a chain, or a tree) committed per token its E
@@ -681,11 +692,10 @@ class WidthRule:
         costs = self.cost.predict_widths(np.arange(1, max(t.width for t in candidates) + 1), ctx)
         acc = self.acceptance_for(ctx)
         es = [acc.expected_tokens(t) for t in candidates]
-        rates = [e / costs[:t.width] * self.realized(t.is_chain, t.width)
+        rates = [self._at_least(e / costs[:t.width] * self.realized(t.is_chain, t.width), min_width)
                  for e, t in zip(es, candidates)]
-        k = int(np.argmax([r[min_width - 1:].max() if len(r) >= min_width else r.max()
-                           for r in rates]))
-        w = self._pick(rates[k], min_width)
+        k = int(np.argmax([r.max() for r in rates]))
+        w = self._pick(rates[k])
         self._predicted = (float(es[k][w - 1]), w)
         return candidates[k].prefix(w)
 
