@@ -158,8 +158,8 @@ class ReplayDrafter:
         toks, lps = self.rec["lattices"][p]
         rows = min(rows, len(toks))
         self.clock.extra += self.rec["draft_s"][rows - 1]
-        return Lattice(tokens=[np.array(t) for t in toks[:rows]],
-                       logprobs=[np.array(lp) for lp in lps[:rows]])
+        # [rows, k] int64 / float64 arrays, as Engine.draft_candidates gives them
+        return Lattice(tokens=np.array(toks[:rows], np.int64), logprobs=np.array(lps[:rows]))
 
 
 def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None) -> float:

@@ -108,6 +108,7 @@ GDNDims make_dims(int hk, int hv, int dk, int dv, int conv_k, const std::string&
 }  // namespace
 
 void bind_engine(py::module_& m);
+void bind_tree_growth(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "sapwood C++ runtime: paged int8 KV, tree attention, pathwise GDN";
@@ -378,4 +379,5 @@ PYBIND11_MODULE(_core, m) {
         return out;
       });
   bind_engine(m);
+  bind_tree_growth(m);
 }

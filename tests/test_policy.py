@@ -58,6 +58,84 @@ def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
     assert (acc.chance(r, q) == want).all()
 
 
+def expected_by_definition(acc, tree):
+    """E(w): the sum over the first w nodes of each one's reach, the product of chance() along
+    its path from the root."""
+    ch = acc.chance(tree.rank[1:], tree.q[1:])
+    reach = [1.0]
+    for i in range(1, tree.width):
+        reach.append(reach[tree.parents[i]] * ch[i - 1])
+    return np.cumsum(reach)
+
+
+def trained_band(rng):
+    """A context band's AcceptanceModel under a drafter-level parent, both with counts."""
+    parent = AcceptanceModel()
+    band = AcceptanceModel(parent=parent)
+    for model in (band, parent, band):
+        for _ in range(15):
+            tree = grow(0, random_lattice(rng, rows=6, k=4), int(rng.integers(2, 17)))
+            model.observe(tree, random_path(rng, tree))
+    return band
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_grow_in_cpp_is_the_python_growth_bit_for_bit(seed):
+    """AcceptanceModel.grow (C++) against tree.grow with the model's chance() (Python): the same
+    nodes in the same order and the same doubles, over ragged, empty and -inf rows and equal
+    path sums (cells share a chance, so ties are common); its E and expected_tokens() against
+    the definition, exactly (the same products and sums in the same order)."""
+    rng = np.random.default_rng(seed)
+    band = trained_band(rng)
+    for trial in range(12):
+        rows = int(rng.integers(0, 9))
+        lat = random_lattice(rng, rows=rows, k=4)
+        if rows and trial % 3 == 1:  # ragged: a row may run out, or be empty
+            r = int(rng.integers(rows))
+            lat.tokens[r], lat.logprobs[r] = lat.tokens[r][:int(rng.integers(0, 4))], lat.logprobs[r][:0]
+            lat.logprobs[r] = np.log(np.full(len(lat.tokens[r]), 0.3))
+        if rows and trial % 3 == 2:  # the drafter's arrays: [rows, k], float32, a -inf candidate
+            lat = Lattice(np.stack(lat.tokens), np.stack(lat.logprobs).astype(np.float32))
+            lat.logprobs[0, -1] = -np.inf
+        width = int(rng.integers(1, 21))
+        root = int(rng.integers(1000))
+        got, want = band.grow(root, lat, width), grow(root, lat, width, chance=band.chance)
+        for name in ("tokens", "parents", "depth", "rank", "logp", "q"):
+            assert (getattr(got, name) == getattr(want, name)).all(), name
+        assert (band.expected_tokens(got) == expected_by_definition(band, want)).all()
+        assert (band.expected_tokens(got.prefix(3)) == expected_by_definition(band, want)[:3]).all()
+        full_rows = next((r for r in range(rows) if len(lat.tokens[r]) == 0), rows)
+        c = chain(root, lat, full_rows)
+        assert (band.expected_tokens(c) == expected_by_definition(band, c)).all()
+    # E cached by grow() is dropped once the counts move
+    tree = band.grow(1, random_lattice(rng, rows=4, k=4), 8)
+    before = band.expected_tokens(tree).copy()
+    for _ in range(30):
+        band.observe(tree, [0])
+    assert (band.expected_tokens(tree) == expected_by_definition(band, tree)).all()
+    assert (band.expected_tokens(tree) != before).any()
+
+
+def test_grow_in_cpp_rejects_bad_lattices():
+    band = AcceptanceModel()
+    chance, log_step = band.tables()
+    edges = AcceptanceModel.LOG_EDGES
+    from sapwood import _core
+    with pytest.raises(ValueError, match="NaN"):
+        band.grow(0, Lattice(np.zeros((2, 3), np.int64), np.full((2, 3), np.nan)), 8)
+    with pytest.raises(ValueError, match="logprobs have shape"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 2)), None, 8, chance, log_step, edges)
+    with pytest.raises(ValueError, match=r"counts\[1\] = 4"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), [3, 4], 8, chance, log_step, edges)
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 0, chance, log_step, edges)
+    with pytest.raises(ValueError, match="edges"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 8, chance, log_step, edges[:-1])
+    with pytest.raises(ValueError, match="parents"):
+        _core.expected_tokens([-1, 5], [-1, 0], [0.0, -1.0], chance, log_step, edges)
+    assert band.grow(0, Lattice(np.zeros((2, 3), np.int64), np.zeros((2, 3))), 20).width == 1 + 3 + 9
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 36])
 def test_median_is_statistics_median(n):
     rng = np.random.default_rng(n)

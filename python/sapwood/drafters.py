@@ -26,6 +26,18 @@ class Lattice:
     def rows(self) -> int:
         return len(self.tokens)
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(tokens [rows, k], logprobs [rows, k], counts [rows] or None where every row has
+        k): ragged rows padded after their last candidate, as _core.grow_tree reads them."""
+        if isinstance(self.tokens, np.ndarray) and self.tokens.ndim == 2:
+            return self.tokens, np.asarray(self.logprobs), None
+        counts = np.array([len(t) for t in self.tokens], np.int64)
+        k = int(counts.max()) if counts.size else 0
+        tokens, logprobs = np.zeros((counts.size, k), np.int64), np.zeros((counts.size, k))
+        for r, (t, lp) in enumerate(zip(self.tokens, self.logprobs)):
+            tokens[r, :len(t)], logprobs[r, :len(t)] = t, lp
+        return tokens, logprobs, counts
+
     def chain(self, rows: int | None = None) -> list[int]:
         """The drafter's own continuation (rank 0 of every row, or of the first `rows`)."""
         return _rank0(self.tokens[:rows], int)

@@ -184,7 +184,7 @@ class Decoder:
             return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
         ctx = self.engine.position
-        full = trees.grow(root, lattice, max_w, chance=self.rule.acceptance_for(ctx).chance)
+        full = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
         if mode == "tree":
             return full, True, None
         if self.rule.cost.calibrated(ctx) or full.width == 1:
