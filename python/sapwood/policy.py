@@ -314,8 +314,9 @@ class DraftLength:
     history does not (begin_request). Speed only: any R gives the same output."""
 
     def __init__(self, max_rows: int = 8, window: int = 16, prior: float = 2.0,
-                 prior_keep: float = 0.8):
+                 prior_keep: float = 0.8, first_rows: int = 3):
         self.max_rows, self.window = int(max_rows), window
+        self.first_rows = min(int(first_rows), self.max_rows)
         self.prior, self.prior_keep = prior, prior_keep
         self._rounds: list[tuple[int, int]] = []  # (rows drafted, rows kept), recent
         self.draft_row_s = None   # seconds per draft row (decayed)
@@ -373,9 +374,15 @@ class DraftLength:
         self._rounds = []
 
     def rows(self, verify_slope: float) -> int:
-        """The rows to draft this round (max_rows until both costs are measured)."""
+        """The rows to draft this round (first_rows until both costs are measured)."""
         if self.draft_row_s is None or self.fixed_s is None:
-            return self.max_rows
+            # A fresh band knows no costs. All 8 rows cost a fresh rule's first round 31 ms
+            # for 1 token on the padded target at depth 1 (width 5: 20 ms); 3 rows, the best
+            # fixed widths' depth there (3-5 nodes at depths 1-8K), lengthened by two while
+            # kept, took the first request replayed from x0.943 / 0.981 / 0.953 of the best
+            # fixed width to x1.030 / 1.045 / 1.041 at depths 1 / 2K / 8K (4 rows: x1.023 /
+            # 0.951 / 1.034; bench/replay_width.py --python-ms 0.4)
+            return self.first_rows
         per_row = self.draft_row_s + verify_slope
         best, best_rate, e = self.max_rows, -1.0, 1.0
         for r, s in enumerate(self.survival(), start=1):
