@@ -45,3 +45,13 @@ python bench/replay_width.py record --model /tmp/padded --depths 1 2048 --out $P
 python bench/replay_width.py replay $P/replay_depths.json --requests 8 | tee $P/replay_depths.txt
 python bench/replay_width.py record --model /tmp/padded --depths --cohort 13 --out $P/replay_cohort.json
 python bench/replay_width.py replay $P/replay_cohort.json --widths "" --shared --requests 4 | tee $P/replay_cohort_shared.txt
+# Stop 30: the first request of a fresh rule, paired with the best fixed width, 8 pairs a depth;
+# the unpadded cohort recorded for deterministic replays; the fallback's recording
+for dw in "1 5" "2048 3" "8192 3"; do
+  set -- $dw
+  python bench/first_request.py --model /tmp/padded --depth $1 --width $2 --pairs 8
+done | tee $P/first_request.txt
+python bench/replay_width.py record --model default --cohort 13 --max-tokens 128 --out $R/replay_cohort_unpadded.json
+python bench/replay_width.py replay $R/replay_cohort_unpadded.json --widths "" --shared --requests 4 --max-tokens 128 --python-ms 0.15
+python bench/replay_fallback.py record --out $R/fallback_rounds_stop30.json
+python bench/replay_fallback.py replay $R/fallback_rounds_stop30.json

@@ -180,3 +180,23 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     out = capsys.readouterr().out
     assert "best fixed w=" in out and "geometric mean" in out
     assert rw.G.time is __import__("time")  # the decoder's clock is restored
+
+
+def test_first_request_command_pairs_a_fresh_rule_with_a_fixed_width(ckpt, tmp_path, capsys):
+    """bench/first_request.py runs its pairs and prints the paired ratio."""
+    import importlib.util
+
+    draft = tmp_path / "draft"
+    make_tiny_checkpoint(draft, seed=2)
+    spec = importlib.util.spec_from_file_location(
+        "first_request", Path(__file__).resolve().parent.parent / "bench" / "first_request.py")
+    fr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fr)
+    argv = sys.argv
+    try:
+        sys.argv = ["first_request", "--model", str(ckpt), "--drafter", str(draft), "--depth", "8",
+                    "--width", "3", "--pairs", "2", "--max-tokens", "6"]
+        fr.main()
+    finally:
+        sys.argv = argv
+    assert "depth 8: first request / fixed w3: median x" in capsys.readouterr().out
