@@ -1,7 +1,8 @@
 // Best-first tree growth over a draft lattice, priced by a calibrated acceptance table: the
 // per-round part of the auto policy that ran in Python (sapwood.tree.grow with
-// AcceptanceModel.chance, and AcceptanceModel.expected_tokens), ~110 us a wide round on a
-// 2-core Zen 3 against a few here. python/sapwood/tree.py's grow is the oracle: the same pops
+// AcceptanceModel.chance, and AcceptanceModel.expected_tokens): ~110 us a wide round on a
+// 2-core Zen 3 in Python, 18 us here with the binding and the table's lookup (8 rows of 4,
+// 16 nodes, timeit). python/sapwood/tree.py's grow is the oracle: the same pops
 // in the same order, the same doubles (tests/test_policy.py compares them with ==).
 #pragma once
 #include <cmath>
