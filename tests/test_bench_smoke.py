@@ -16,6 +16,17 @@ from sapwood.testing import make_tiny_checkpoint
 from sapwood.tree import Tree
 
 
+def bench_script(name):
+    """bench/<name>.py imported as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parent.parent / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     p = tmp_path_factory.mktemp("bench") / "m"
@@ -154,14 +165,8 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     """bench/replay_width.py: record a depth and a cohort prompt with a tiny draft model, then
     replay fixed widths, the chain and auto through the real decoder on the virtual clock
     (each replayed request asserts it emitted the recorded continuation)."""
-    import importlib.util
-
-    draft = tmp_path / "draft"
+    rw, draft = bench_script("replay_width"), tmp_path / "draft"
     make_tiny_checkpoint(draft, seed=2)
-    spec = importlib.util.spec_from_file_location(
-        "replay_width", Path(__file__).resolve().parent.parent / "bench" / "replay_width.py")
-    rw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rw)
     rec = tmp_path / "rec.json"
     argv = sys.argv
     try:
@@ -184,14 +189,8 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
 
 def test_first_request_command_pairs_a_fresh_rule_with_a_fixed_width(ckpt, tmp_path, capsys):
     """bench/first_request.py runs its pairs and prints the paired ratio."""
-    import importlib.util
-
-    draft = tmp_path / "draft"
+    fr, draft = bench_script("first_request"), tmp_path / "draft"
     make_tiny_checkpoint(draft, seed=2)
-    spec = importlib.util.spec_from_file_location(
-        "first_request", Path(__file__).resolve().parent.parent / "bench" / "first_request.py")
-    fr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fr)
     argv = sys.argv
     try:
         sys.argv = ["first_request", "--model", str(ckpt), "--drafter", str(draft), "--depth", "8",
