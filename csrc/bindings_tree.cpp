@@ -80,12 +80,12 @@ void bind_tree_growth(py::module_& m) {
     GrownTree g = grow_best_first(root, tokens.data(), logprobs.data(), counts.data(), rows, k,
                                   width, t.view());
     return py::make_tuple(to_array(g.tokens), to_array(g.parents), to_array(g.depth),
-                          to_array(g.rank), to_array(g.logp), to_array(g.q), to_array(g.expected));
+                          to_array(g.rank), to_array(g.logp), to_array(g.q));
   }, py::arg("root"), py::arg("tokens"), py::arg("logprobs"), py::arg("counts"), py::arg("width"),
      py::arg("chance"), py::arg("log_step"), py::arg("log_edges"),
      "The best-first tree of `width` nodes over a lattice ([rows, k] tokens and log-probabilities, "
      "counts[r] candidates in row r or None for all) by calibrated chances: (tokens, parents, "
-     "depth, rank, logp, q, expected tokens of every prefix).");
+     "depth, rank, logp, q).");
   m.def("expected_tokens", [](py::handle parents_obj, py::handle rank_obj, py::handle q_obj,
                               py::handle chance, py::handle log_step, py::handle log_edges) {
     const TableArrays t = table_arrays(chance, log_step, log_edges);

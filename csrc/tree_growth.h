@@ -1,8 +1,8 @@
 // Best-first tree growth over a draft lattice, priced by a calibrated acceptance table: the
 // per-round part of the auto policy that ran in Python (sapwood.tree.grow with
-// AcceptanceModel.chance, and AcceptanceModel.expected_tokens): ~110 us a wide round on a
-// 2-core Zen 3 in Python, 18 us here with the binding and the table's lookup (8 rows of 4,
-// 16 nodes, timeit). python/sapwood/tree.py's grow is the oracle: the same pops
+// AcceptanceModel.chance, and AcceptanceModel.expected_tokens): on a 2-core Zen 3 (8 rows of
+// 4, 16 nodes, timeit in one run, the binding included) growth 83-95 -> 4.4 us, E 14 -> 1.5 us.
+// python/sapwood/tree.py's grow is the oracle: the same pops
 // in the same order, the same doubles (tests/test_policy.py compares them with ==).
 #pragma once
 #include <cmath>
@@ -33,7 +33,7 @@ struct AcceptanceTable {
 
 struct GrownTree {
   std::vector<int64_t> tokens, parents, depth, rank;
-  std::vector<double> logp, q, expected;  // expected[w - 1]: E of the first w nodes
+  std::vector<double> logp, q;
 };
 
 // E(w) for every prefix w = 1..n: the sum of the nodes' reach, a node's reach its parent's
@@ -88,8 +88,6 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
     push(node, p.row + 1, 0);
     push(p.parent, p.row, p.rank + 1);
   }
-  g.expected = expected_tokens(g.parents.data(), g.rank.data(), g.q.data(),
-                               int(g.tokens.size()), t);
   return g;
 }
 

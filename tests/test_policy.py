@@ -107,7 +107,7 @@ def test_grow_in_cpp_is_the_python_growth_bit_for_bit(seed):
         full_rows = next((r for r in range(rows) if len(lat.tokens[r]) == 0), rows)
         c = chain(root, lat, full_rows)
         assert (band.expected_tokens(c) == expected_by_definition(band, c)).all()
-    # E cached by grow() is dropped once the counts move
+    # E follows the counts: the chance table is recomputed after observe()
     tree = band.grow(1, random_lattice(rng, rows=4, k=4), 8)
     before = band.expected_tokens(tree).copy()
     for _ in range(30):

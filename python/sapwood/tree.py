@@ -30,7 +30,6 @@ class Tree:
             self.q = np.zeros(self.tokens.size)
         self._children = None  # child(): (parent, token) -> node
         self._is_chain = None
-        self._expected = None  # AcceptanceModel.grow(): (model, its versions, E of each prefix)
 
     @property
     def width(self) -> int:
@@ -52,12 +51,8 @@ class Tree:
         return self._children.get((int(node), int(token)), -1)
 
     def prefix(self, w: int) -> "Tree":
-        t = Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w],
-                 self.q[:w])
-        if self._expected is not None:  # E of a prefix is the prefix of E
-            model, versions, e = self._expected
-            t._expected = (model, versions, e[:w])
-        return t
+        return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w],
+                    self.q[:w])
 
 
 def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
