@@ -4,10 +4,10 @@ the whole study) alone and with more pairs, for comparing builds.
 
     python bench/first_request.py --model /tmp/padded --depth 2048 --width 3 [--pairs 8]
 
-Per pair (ABBA order): a request of the fixed width, and one of auto after
-Model.reset_width_rules() (what a fresh process knows), both of --max-tokens on the width
-study's context at --depth with the prompt cached. Prints the median and range of the paired
-ratios of decode tokens/s. Two builds side by side: run it under each in turn, e.g. with
+Per pair (ABBA order, sapwood.benchmarks.width.first_requests): a request of the fixed width,
+and one of auto after Model.reset_width_rules() (what a fresh process knows), both of
+--max-tokens on the width study's context at --depth with the prompt cached. Prints the median
+and range of the paired ratios of decode tokens/s. Two builds side by side: run it under each in turn, e.g. with
 PYTHONPATH=OTHER:SITE_PACKAGES python -S (an editable install otherwise imports the working tree).
 """
 import argparse
@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 import sapwood
-from sapwood.benchmarks.width import context_text
+from sapwood.benchmarks.width import context_text, first_requests
 
 
 def main():
@@ -29,20 +29,15 @@ def main():
     a = ap.parse_args()
     m = sapwood.load(a.model, max_context=max(a.depth, 1) + a.max_tokens + 200)
     ids = m.encode(context_text(6 * a.depth + 1000))[:max(a.depth, 1)]
-    gen = dict(max_tokens=a.max_tokens, drafter=a.drafter, cache_prompt=True)
     m.generate(ids, verify="chain", max_tokens=16, drafter=a.drafter, cache_prompt=True)  # warm-up
-    rule, fixed = [], []
-    for rep in range(a.pairs):
-        for arm in (("rule", "fixed") if rep % 2 == 0 else ("fixed", "rule")):
-            if arm == "fixed":
-                fixed.append(m.generate(ids, verify="tree", width=a.width, **gen).stats.decode_tokens_per_s)
-            else:
-                m.reset_width_rules()
-                rule.append(m.generate(ids, verify="auto", width=16, **gen).stats.decode_tokens_per_s)
-    x = np.array(rule) / np.array(fixed)
+    # the width study's own pairing (sapwood bench width), its arguments named as there
+    r = first_requests(m, ids, a.width, argparse.Namespace(
+        max_tokens=a.max_tokens, drafter=a.drafter, temperature=0.0, reps=a.pairs, max_width=16))
+    lo, hi = r["ratio_paired"]["range"]
     print(f"{sapwood.__file__}: depth {a.depth}: first request / fixed w{a.width}: median "
-          f"x{np.median(x):.3f} [{x.min():.3f}, {x.max():.3f}] (rule {np.median(rule):.1f}, fixed "
-          f"{np.median(fixed):.1f} decode tok/s, {a.pairs} pairs)")
+          f"x{r['ratio_paired']['median']:.3f} [{lo:.3f}, {hi:.3f}] (rule "
+          f"{np.median(r['rule_tokens_per_s']):.1f}, fixed {np.median(r['fixed_tokens_per_s']):.1f} "
+          f"decode tok/s, {a.pairs} pairs)")
 
 
 if __name__ == "__main__":
