@@ -84,6 +84,9 @@ def record(a):
         ids = model.encode(context_text(6 * max(a.depths) + 1000))
         contexts += [(f"depth {n}", ids[:max(n, 1)]) for n in a.depths]
     contexts += [(p["id"], model._prompt_ids(p["text"])) for p in load_cohort()[:a.cohort]]
+    if a.prompts:  # a file of {"prompts": [{"id", "text"}]}, as bench/heldout_prompts.json
+        contexts += [(p["id"], model._prompt_ids(p["text"]))
+                     for p in json.load(open(a.prompts))["prompts"][:a.prompts_n]]
     out = {"model": a.model, "drafter": a.drafter,
            "contexts": [record_context(model, d, name, prompt, a) for name, prompt in contexts]}
     with open(a.out, "w") as f:
@@ -209,7 +212,7 @@ def replay(a):
                         python_s=None if a.python_ms is None else a.python_ms / 1e3))
     finally:
         G.time = time
-    ratios = {"first": [], "later": []}
+    ratios = {"first": [], "later": [], "best_first": [], "best_later": []}  # auto / chain, best
     for c in contexts:
         rows = {arm: tps[c["name"], arm] for arm in arms}
         later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
@@ -220,14 +223,21 @@ def replay(a):
         ratios["first"].append(rows["auto"][0] / rows["chain"][0])
         if fixed:
             best = max(fixed, key=lambda k: later[k])
+            ratios["best_later"].append(later["auto"] / later[best])
+            ratios["best_first"].append(rows["auto"][0] / rows[best][0])
             line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
                      f" (first request x{rows['auto'][0] / rows[best][0]:.3f})\n  fixed: " +
                      " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
         print(line)
     if len(contexts) > 1:
-        g = {k: float(np.exp(np.mean(np.log(v)))) for k, v in ratios.items()}
+        g = {k: geomean(v) for k, v in ratios.items() if v}
         print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
               f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
+    return ratios
+
+
+def geomean(xs) -> float:
+    return float(np.exp(np.mean(np.log(xs))))
 
 
 def main():
@@ -238,6 +248,9 @@ def main():
     r.add_argument("--drafter", default="default", help="a draft model (its top 4 per row)")
     r.add_argument("--depths", type=int, nargs="*", default=[1, 2048])
     r.add_argument("--cohort", type=int, default=0, help="also the first N cohort prompts")
+    r.add_argument("--prompts", default=None,
+                   help="also prompts from this file ({'prompts': [{'id', 'text'}]})")
+    r.add_argument("--prompts-n", type=int, default=12, help="how many of --prompts")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--reps", type=int, default=9)
     r.add_argument("--out", default="replay_width.json")

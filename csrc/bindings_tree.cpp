@@ -37,18 +37,20 @@ struct TableArrays {
   F64 chance, log_step, log_edges;
   AcceptanceTable view() const {
     return {chance.data(), log_step.data(), int(chance.shape(0)), int(chance.shape(1)),
-            log_edges.data()};
+            int(chance.shape(2)), log_edges.data()};
   }
 };
 
 TableArrays table_arrays(py::handle chance, py::handle log_step, py::handle log_edges) {
-  TableArrays t{numeric<F64>(chance, "chance", 2), numeric<F64>(log_step, "log_step", 2),
+  // [depth groups, ranks, buckets]
+  TableArrays t{numeric<F64>(chance, "chance", 3), numeric<F64>(log_step, "log_step", 3),
                 numeric<F64>(log_edges, "log_edges", 1)};
-  SW_CHECK(t.chance.shape(0) > 0 && t.chance.shape(1) > 0, "chance table is empty");
-  SW_CHECK(t.log_step.shape(0) == t.chance.shape(0) && t.log_step.shape(1) == t.chance.shape(1),
-           "log_step has shape ", shape_str(t.log_step), ", chance ", shape_str(t.chance));
-  SW_CHECK(t.log_edges.shape(0) == t.chance.shape(1) - 1, "log_edges has ", t.log_edges.shape(0),
-           " edges for ", t.chance.shape(1), " buckets");
+  SW_CHECK(t.chance.size() > 0, "chance table is empty");
+  for (int d = 0; d < 3; ++d)
+    SW_CHECK(t.log_step.shape(d) == t.chance.shape(d), "log_step has shape ",
+             shape_str(t.log_step), ", chance ", shape_str(t.chance));
+  SW_CHECK(t.log_edges.shape(0) == t.chance.shape(2) - 1, "log_edges has ", t.log_edges.shape(0),
+           " edges for ", t.chance.shape(2), " buckets");
   return t;
 }
 
@@ -86,18 +88,26 @@ void bind_tree_growth(py::module_& m) {
      "The best-first tree of `width` nodes over a lattice ([rows, k] tokens and log-probabilities, "
      "counts[r] candidates in row r or None for all) by calibrated chances: (tokens, parents, "
      "depth, rank, logp, q).");
-  m.def("expected_tokens", [](py::handle parents_obj, py::handle rank_obj, py::handle q_obj,
-                              py::handle chance, py::handle log_step, py::handle log_edges) {
+  m.def("expected_tokens", [](py::handle parents_obj, py::handle depth_obj, py::handle rank_obj,
+                              py::handle q_obj, py::handle chance, py::handle log_step,
+                              py::handle log_edges) {
     const TableArrays t = table_arrays(chance, log_step, log_edges);
-    I64 parents = numeric<I64>(parents_obj, "parents", 1), rank = numeric<I64>(rank_obj, "rank", 1);
+    I64 parents = numeric<I64>(parents_obj, "parents", 1), depth = numeric<I64>(depth_obj, "depth", 1),
+        rank = numeric<I64>(rank_obj, "rank", 1);
     F64 q = numeric<F64>(q_obj, "q", 1);
     const int n = int(parents.shape(0));
-    SW_CHECK(rank.shape(0) == n && q.shape(0) == n, "parents, rank and q lengths differ: ", n, ", ",
+    SW_CHECK(depth.shape(0) == n && rank.shape(0) == n && q.shape(0) == n,
+             "parents, depth, rank and q lengths differ: ", n, ", ", depth.shape(0), ", ",
              rank.shape(0), ", ", q.shape(0));
     std::vector<int> p(parents.data(), parents.data() + n);
     check_parents(p.data(), n);
-    for (int i = 1; i < n; ++i) SW_CHECK(rank.data()[i] >= 0, "rank[", i, "] = ", rank.data()[i], " < 0");
-    return to_array(expected_tokens(parents.data(), rank.data(), q.data(), n, t.view()));
-  }, py::arg("parents"), py::arg("rank"), py::arg("q"), py::arg("chance"), py::arg("log_step"),
-     py::arg("log_edges"), "E(w) of every prefix w of a tree under a calibrated chance table.");
+    for (int i = 1; i < n; ++i) {
+      SW_CHECK(rank.data()[i] >= 0, "rank[", i, "] = ", rank.data()[i], " < 0");
+      SW_CHECK(depth.data()[i] >= 1, "depth[", i, "] = ", depth.data()[i], " < 1");
+    }
+    return to_array(expected_tokens(parents.data(), depth.data(), rank.data(), q.data(), n,
+                                    t.view()));
+  }, py::arg("parents"), py::arg("depth"), py::arg("rank"), py::arg("q"), py::arg("chance"),
+     py::arg("log_step"), py::arg("log_edges"),
+     "E(w) of every prefix w of a tree under a calibrated chance table.");
 }

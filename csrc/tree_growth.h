@@ -13,21 +13,22 @@
 
 namespace sapwood {
 
-// A calibrated acceptance table: chance[r * buckets + b] for candidates of rank r (capped at
-// ranks - 1) whose draft log-probability falls in bucket b (how many log_edges are <= it);
-// log_step is log(max(chance, 1e-12)), computed once by numpy so both growers add the same
-// doubles.
+// A calibrated acceptance table: chance[(g * ranks + r) * buckets + b] for candidates at
+// depth group g (depth - 1, capped at depths - 1) of rank r (capped at ranks - 1) whose draft
+// log-probability falls in bucket b (how many log_edges are <= it); log_step is
+// log(max(chance, 1e-12)), computed once by numpy so both growers add the same doubles.
 struct AcceptanceTable {
   const double* chance;
   const double* log_step;
-  int ranks, buckets;
+  int depths, ranks, buckets;
   const double* log_edges;  // [buckets - 1], ascending
 
-  int cell(int rank, double logprob) const {
+  int cell(int64_t depth, int64_t rank, double logprob) const {
     SW_CHECK(!std::isnan(logprob), "a draft log-probability is NaN (rank ", rank, ")");
     int b = 0;
     while (b < buckets - 1 && log_edges[b] <= logprob) ++b;
-    return (rank < ranks - 1 ? rank : ranks - 1) * buckets + b;
+    const int64_t g = depth < depths ? depth - 1 : depths - 1;
+    return int((g * ranks + (rank < ranks - 1 ? rank : ranks - 1)) * buckets + b);
   }
 };
 
@@ -38,19 +39,20 @@ struct GrownTree {
 
 // E(w) for every prefix w = 1..n: the sum of the nodes' reach, a node's reach its parent's
 // times its own chance (the root's is 1).
-inline std::vector<double> expected_tokens(const int64_t* parents, const int64_t* rank,
-                                           const double* q, int n, const AcceptanceTable& t) {
+inline std::vector<double> expected_tokens(const int64_t* parents, const int64_t* depth,
+                                           const int64_t* rank, const double* q, int n,
+                                           const AcceptanceTable& t) {
   std::vector<double> reach(n, 1.0), e(n, 1.0);
   for (int i = 1; i < n; ++i) {
-    reach[i] = reach[parents[i]] * t.chance[t.cell(int(rank[i]), q[i])];
+    reach[i] = reach[parents[i]] * t.chance[t.cell(depth[i], rank[i], q[i])];
     e[i] = e[i - 1] + reach[i];
   }
   return e;
 }
 
 // The first `width` nodes of the best-first tree (fewer where the lattice runs out). Row r has
-// counts[r] candidates at tokens/logprobs[r * k ..]. A candidate's step is its table log-chance
-// made non-increasing in rank (siblings pop in rank order); nodes pop by descending path sum,
+// counts[r] candidates at tokens/logprobs[r * k ..], at depth r + 1. A candidate's step is its
+// table log-chance made non-increasing in rank (siblings pop in rank order); nodes pop by descending path sum,
 // ties to the earlier push. Popping pushes the node's first child and its next sibling.
 inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const double* logprobs,
                                  const int* counts, int rows, int k, int width,
@@ -59,7 +61,7 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
   std::vector<double> step(size_t(rows) * k);
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < counts[r]; ++j) {
-      const double s = t.log_step[t.cell(j, logprobs[r * k + j])];
+      const double s = t.log_step[t.cell(r + 1, j, logprobs[r * k + j])];
       step[r * k + j] = j == 0 || s < step[r * k + j - 1] ? s : step[r * k + j - 1];
     }
   struct Push { double lp; int64_t order; int parent, row, rank; };

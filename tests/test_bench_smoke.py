@@ -167,15 +167,18 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     (each replayed request asserts it emitted the recorded continuation)."""
     rw, draft = bench_script("replay_width"), tmp_path / "draft"
     make_tiny_checkpoint(draft, seed=2)
-    rec = tmp_path / "rec.json"
+    rec, prompts = tmp_path / "rec.json", tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": [{"id": "mine", "text": "def f(x):"},
+                                               {"id": "not taken", "text": "x"}]}))
     argv = sys.argv
     try:
         sys.argv = ["replay_width", "record", "--model", str(ckpt), "--drafter", str(draft),
-                    "--depths", "8", "--cohort", "1", "--max-tokens", "6", "--reps", "1",
-                    "--out", str(rec)]
+                    "--depths", "8", "--cohort", "1", "--prompts", str(prompts), "--prompts-n", "1",
+                    "--max-tokens", "6", "--reps", "1", "--out", str(rec)]
         rw.main()
         data = json.loads(rec.read_text())
-        assert [c["name"] for c in data["contexts"]][0] == "depth 8" and len(data["contexts"]) == 2
+        names = [c["name"] for c in data["contexts"]]
+        assert names[0] == "depth 8" and names[2] == "mine" and len(names) == 3
         c = data["contexts"][0]
         assert len(c["lattices"]) == len(c["seq"]) and len(c["verify_s"]) == 16
         sys.argv = ["replay_width", "replay", str(rec), "--requests", "2", "--widths", "1-3"]
@@ -185,6 +188,12 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     out = capsys.readouterr().out
     assert "best fixed w=" in out and "geometric mean" in out
     assert rw.G.time is __import__("time")  # the decoder's clock is restored
+    # bench/replay_suite.py's summary of a recording, deterministic on the virtual clock
+    suite = bench_script("replay_suite")
+    lines = [suite.run("tiny", [str(rec)], dict(requests=2, widths="1-2", python_ms=0.2))
+             for _ in range(2)]
+    assert lines[0] == lines[1] and "auto / best fixed width, later x" in lines[0]
+    assert "over 3 contexts" in lines[0]
 
 
 def test_first_request_command_pairs_a_fresh_rule_with_a_fixed_width(ckpt, tmp_path, capsys):

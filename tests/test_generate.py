@@ -240,9 +240,9 @@ def simulated_rule(cost_fn, chances, ctx):
         w = int(rng.integers(1, 17))
         rule.cost.observe(w, ctx, cost_fn(w, ctx) * (1 + 0.01 * rng.standard_normal()))
     acc = AcceptanceModel(prior_strength=1e-9)
-    acc.offered[:, :] = 1000
+    acc.offered[:] = 1000
     for r, c in enumerate(chances):
-        acc.accepted[r, :] = 1000 * c
+        acc.accepted[:, r, :] = 1000 * c
     rule.acceptance = acc
     return rule
 
@@ -398,7 +398,7 @@ def test_chat_messages_use_the_checkpoint_template(tmp_path):
 @pytest.mark.parametrize("seed", range(3))
 def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
     lat = lattice(rows=8, k=4, seed=seed)
-    chance = lambda rank, q: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
+    chance = lambda rank, q, depth: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
     big = grow(0, lat, 16, chance=chance)
     for w in range(1, 17):
         assert (grow(0, lat, w, chance=chance).parents == big.parents[:w]).all()
@@ -434,11 +434,12 @@ def test_acceptance_follows_draft_confidence_and_the_rule_cuts_unsure_tails():
                   logprobs=[np.log([0.95])] * 4 + [np.log([0.1])] * 4)
     t = chain(1, lat, 8)
     acc = AcceptanceModel()
-    assert acc.chance([0], [np.log(0.95)])[0] == acc.chance([0], [np.log(0.1)])[0]
+    assert acc.chance([0], [np.log(0.95)], [1])[0] == acc.chance([0], [np.log(0.1)], [1])[0]
     for _ in range(200):
         acc.observe(t, [0, 1, 2, 3, 4])  # the four sure rows kept, the first unsure one not
-    assert acc.chance([0], [np.log(0.95)])[0] > 0.98
-    assert acc.chance([0], [np.log(0.1)])[0] < 0.02
+    for depth in (1, 3, 5):  # an unsure candidate at a depth never seen borrows the pooled cell
+        assert acc.chance([0], [np.log(0.95)], [depth])[0] > 0.98
+        assert acc.chance([0], [np.log(0.1)], [depth])[0] < 0.02
     rule = simulated_rule(lambda w, c: 0.010 + 0.002 * w, [1.0], ctx=64)
     rule.acceptance = acc
     assert rule.choose(t, ctx=64) == 5
@@ -458,7 +459,7 @@ def test_acceptance_is_calibrated_per_context_band_over_the_drafters():
         near.observe(t, [0, 1, 2, 3, 4])  # every row kept
         far.observe(t, [0])               # the first row rejected
     def c(acc):
-        return acc.chance([0], [np.log(0.5)])[0]
+        return acc.chance([0], [np.log(0.5)], [1])[0]  # depth 1: the row both bands saw
     assert c(near) > 0.9 and c(far) < 0.1
     assert c(far) < c(rule.acceptance) < c(near)  # the drafter's saw both
     assert c(rule.acceptance_for(40000)) == c(rule.acceptance)

@@ -33,35 +33,46 @@ def random_path(rng, tree):
 @pytest.mark.parametrize("seed", range(8))
 def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
     """Offered: every node whose parent is on the committed path; accepted: those on it. Cells
-    by (rank capped at max_rank - 1, the bucket of exp(q) among EDGES, right side)."""
+    by (depth - 1 capped at DEPTHS - 1, rank capped at max_rank - 1, the bucket of exp(q) among
+    EDGES, right side)."""
     rng = np.random.default_rng(seed)
     acc = AcceptanceModel(max_rank=4)  # small, so that ranks past the last row are capped
     want_off, want_acc = np.zeros_like(acc.offered), np.zeros_like(acc.accepted)
-    for _ in range(20):
-        tree = grow(0, random_lattice(rng, rows=6, k=6), int(rng.integers(1, 17)))
-        path = random_path(rng, tree)
+    for i in range(21):
+        if i < 20:
+            tree = grow(0, random_lattice(rng, rows=6, k=6), int(rng.integers(1, 17)))
+            path = random_path(rng, tree)
+        else:  # and a chain kept whole, which reaches past the last depth group
+            tree = chain(0, random_lattice(rng, rows=6, k=6), 6)
+            path = list(range(7))
         acc.observe(tree, path)
         on = np.zeros(tree.width, bool)
         on[path] = True
         for n in range(1, tree.width):
             if on[tree.parents[n]]:
-                cell = (min(tree.rank[n], 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(tree.q[n]),
-                                                              side="right"))
+                cell = (min(tree.depth[n], AcceptanceModel.DEPTHS) - 1, min(tree.rank[n], 3),
+                        np.searchsorted(AcceptanceModel.EDGES, np.exp(tree.q[n]), side="right"))
                 want_off[cell] += 1
                 want_acc[cell] += on[n]
     assert want_off.sum() > 0 and want_acc.sum() > 0
     assert (acc.offered == want_off).all() and (acc.accepted == want_acc).all()
-    # chance() reads the same cells observe() counts
-    r, q = np.array([0, 1, 5]), np.array([-0.01, -1.0, -3.0])
-    cells = (np.minimum(r, 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(q), side="right"))
-    want = (want_acc[cells] + acc.strength * acc.prior[cells]) / (want_off[cells] + acc.strength)
-    assert (acc.chance(r, q) == want).all()
+    assert (want_off[AcceptanceModel.DEPTHS - 1] > 0).any()  # a depth past the last group
+    # chance() reads the same cells observe() counts: a depth's cell with the cell pooled over
+    # depths as its prior
+    r, q, d = np.array([0, 1, 5, 0]), np.array([-0.01, -1.0, -3.0, -0.5]), np.array([1, 2, 3, 7])
+    rb = (np.minimum(r, 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(q), side="right"))
+    pooled = ((want_acc.sum(0)[rb] + acc.strength * acc.prior[rb])
+              / (want_off.sum(0)[rb] + acc.strength))
+    cells = (np.minimum(d, AcceptanceModel.DEPTHS) - 1,) + rb
+    k = acc.depth_strength
+    want = (want_acc[cells] + k * pooled) / (want_off[cells] + k)
+    assert (acc.chance(r, q, d) == want).all()
 
 
 def expected_by_definition(acc, tree):
     """E(w): the sum over the first w nodes of each one's reach, the product of chance() along
     its path from the root."""
-    ch = acc.chance(tree.rank[1:], tree.q[1:])
+    ch = acc.chance(tree.rank[1:], tree.q[1:], tree.depth[1:])
     reach = [1.0]
     for i in range(1, tree.width):
         reach.append(reach[tree.parents[i]] * ch[i - 1])
@@ -131,8 +142,16 @@ def test_grow_in_cpp_rejects_bad_lattices():
         _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 0, chance, log_step, edges)
     with pytest.raises(ValueError, match="edges"):
         _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 8, chance, log_step, edges[:-1])
+    with pytest.raises(ValueError, match="3-D"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 8, chance[0], log_step[0], edges)
+    with pytest.raises(ValueError, match="log_step has shape"):
+        _core.grow_tree(0, np.zeros((2, 3), np.int64), np.zeros((2, 3)), None, 8, chance, log_step[:2], edges)
     with pytest.raises(ValueError, match="parents"):
-        _core.expected_tokens([-1, 5], [-1, 0], [0.0, -1.0], chance, log_step, edges)
+        _core.expected_tokens([-1, 5], [0, 1], [-1, 0], [0.0, -1.0], chance, log_step, edges)
+    with pytest.raises(ValueError, match=r"depth\[1\] = 0"):
+        _core.expected_tokens([-1, 0], [0, 0], [-1, 0], [0.0, -1.0], chance, log_step, edges)
+    with pytest.raises(ValueError, match="lengths differ"):
+        _core.expected_tokens([-1, 0], [0], [-1, 0], [0.0, -1.0], chance, log_step, edges)
     assert band.grow(0, Lattice(np.zeros((2, 3), np.int64), np.zeros((2, 3))), 20).width == 1 + 3 + 9
 
 

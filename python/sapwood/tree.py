@@ -59,9 +59,9 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
 
     A node's chance is its parent's times its candidate's probability: the drafter's, or, when
-    `chance(ranks, logprobs)` is given (arrays in, array out), the calibrated probability that
-    the target accepts a candidate of that rank and draft log-probability (made non-increasing
-    in rank, so siblings still pop in rank order).
+    `chance(ranks, logprobs, depths)` is given (arrays in, array out), the calibrated
+    probability that the target accepts a candidate of that rank, draft log-probability and
+    depth (made non-increasing in rank, so siblings still pop in rank order).
     Calibrated chances keep a confident drafter's chain deep instead of spending the width on
     unlikely siblings near the root.
 
@@ -79,7 +79,8 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     if chance is not None and tokens:
         ks = [len(t) for t in tokens]
         c = np.asarray(chance(np.concatenate([np.arange(k) for k in ks]),
-                              np.array([q for lp in logprobs for q in lp])), float)
+                              np.array([q for lp in logprobs for q in lp]),
+                              np.repeat(np.arange(1, len(ks) + 1), ks)), float)
         bounds = np.cumsum([0] + ks)
         steps = [np.log(np.maximum(np.minimum.accumulate(c[bounds[r]:bounds[r + 1]]), 1e-12)).tolist()
                  for r in range(len(ks))]
