@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from sapwood.drafters import Lattice
-from sapwood.policy import AcceptanceModel, CostModel, PlainFallback, _median
+from sapwood.policy import AcceptanceModel, CostModel, PlainFallback
+from sapwood.round_models import _median
 from sapwood.tree import chain, grow
 
 
