@@ -44,7 +44,7 @@ def run(name, recs, opts, quiet=True) -> str:
     ratios = {}
     for rec in recs:
         a = SimpleNamespace(rec=rec, requests=4, max_tokens=64, widths="", python_ms=None,
-                            one_rule=False, shared=False, trace=None)
+                            one_rule=False, shared=False, trace=None, noise=None)
         for k, v in opts.items():
             setattr(a, k, v)
         out = io.StringIO()

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -188,6 +189,21 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     out = capsys.readouterr().out
     assert "best fixed w=" in out and "geometric mean" in out
     assert rw.G.time is __import__("time")  # the decoder's clock is restored
+    # verify costs scattered by a noise sample (bench/verify_noise.py): deterministic too
+    noise = tmp_path / "noise.json"
+    vn = bench_script("verify_noise")
+    try:
+        sys.argv = ["verify_noise", "--model", str(ckpt), "--depth", "8", "--widths", "1", "2",
+                    "--reps", "3", "--out", str(noise)]
+        vn.main()
+    finally:
+        sys.argv = argv
+    ratios = json.loads(noise.read_text())["ratios"]
+    assert len(ratios) == 6 and all(r > 0 for r in ratios) and 1.0 in ratios  # each width's median
+    noisy = [rw.replay(SimpleNamespace(rec=str(rec), requests=2, max_tokens=6, widths="1-2",
+                                       python_ms=0.2, one_rule=False, shared=False, trace=None,
+                                       noise=str(noise))) for _ in range(2)]
+    assert noisy[0] == noisy[1]
     # bench/replay_suite.py's summary of a recording, deterministic on the virtual clock
     suite = bench_script("replay_suite")
     lines = [suite.run("tiny", [str(rec)], dict(requests=2, widths="1-2", python_ms=0.2))
