@@ -707,6 +707,27 @@ def test_plain_fallback_judges_early_rounds_with_the_bands_pooled_spread():
     assert pf.prefers_plain() and pf.skip_draft()
 
 
+def test_plain_fallback_does_not_read_identical_early_rounds_as_no_spread():
+    """A fresh band's first rounds that all committed one token say nothing of the spread:
+    one pseudo-round prior_spread tokens off keeps the bound above the mean (with a spread
+    of 0 the request went plain on its first three rounds)."""
+    def judged(prior_spread):
+        pf = PlainFallback(prior_spread=prior_spread)
+        pf.plain_s = 0.0011                 # plain: ~910 tokens/s
+        pf.begin_request(cap=9)
+        for _ in range(3):
+            pf.observe(False, 1, 0.0015)    # 1 token in 1.5 ms: ~670 tokens/s
+        return pf
+    # (1 + 4 x sqrt(1 / 3) / sqrt(3)) / 1.5 ms = ~1560 tokens/s: keeps drafting
+    assert not judged(1.0).prefers_plain()
+    assert judged(0.0).prefers_plain()      # the bound is the mean itself
+    # and evidence still decides: eight such rounds (z, not z_early) go plain
+    pf = judged(1.0)
+    for _ in range(5):
+        pf.observe(False, 1, 0.0015)
+    assert pf.prefers_plain()
+
+
 def test_plain_fallback_probes_within_budget_and_each_request_judges_afresh():
     pf = _judged([1] * 8, seconds=0.0025, plain_s=0.0005)
     pf.catch_up_per_token = 1e-4

@@ -175,7 +175,12 @@ class PlainFallback:
     until it has `pooled_rounds` of them the standard error takes the band's pooled spread
     (the within-request deviations of recent requests, kept like the plain rate), and before
     the band has one, `z_early` standard errors of the request's own spread over its first
-    `min_rounds`. The parameters come from replaying recorded chain rounds
+    `min_rounds`, with one pseudo-round `prior_spread` tokens off the mean: a fresh process's
+    first request on a held-out prompt (padded target, bench/replay_suite.py) committed one
+    token in each of its first four rounds, and with their spread of 0 went plain for 16
+    rounds where width 3 then kept 3 tokens a round (x0.734 -> x0.778 of the best fixed
+    width; the fallback's own recordings unchanged or up to +0.6%). The parameters come from
+    replaying recorded chain rounds
     (bench/replay_fallback.py; bench/results/fallback_replay*.txt). The pooled spread against
     z_early's own spread up to min_rounds = 8 (`--pooled-rounds 0`), auto vs plain: a 2-core
     Zen 5 recording with the pool's old 100 us spin, where a chain round cost 5-9 plain tokens
@@ -198,8 +203,9 @@ class PlainFallback:
     def __init__(self, budget: float = 0.05, first_probe: int = 8, min_rounds: int = 8,
                  z: float = 2.0, z_early: float = 4.0, window: int = 16, pooled_rounds: int = 16,
                  pooled_decay: float = 0.98, pooled_min: float = 8.0, plain_samples: int = 8,
-                 recent_requests: int = 8, prior_requests: int = 3):
+                 recent_requests: int = 8, prior_requests: int = 3, prior_spread: float = 1.0):
         self.budget, self.first_probe, self.min_rounds = budget, first_probe, min_rounds
+        self.prior_spread = prior_spread
         self.z, self.z_early, self.window = z, z_early, window
         self.pooled_rounds, self.pooled_decay = pooled_rounds, pooled_decay
         self.pooled_min = pooled_min
@@ -263,7 +269,10 @@ class PlainFallback:
         if n < self.pooled_rounds and self._devs >= self.pooled_min:
             z, sd = self.z, (self._dev2 / self._devs) ** 0.5  # the band's spread
         else:
-            sd = (sum((t - mean) ** 2 for t in self._tokens) / (n - 1)) ** 0.5
+            # one pseudo-round deviating by prior_spread tokens: a few rounds that committed
+            # the same count say nothing of the spread (sd 0 made the bound the mean itself)
+            s0 = self.prior_spread
+            sd = ((sum((t - mean) ** 2 for t in self._tokens) + s0 * s0) / n) ** 0.5
             z = self.z if n >= self.min_rounds else (self.z_early if n >= 3 else None)
         bound = None if z is None else (mean + z * sd / n ** 0.5) / secs
         self._spec = (mean, secs, self.cap / secs, bound)
