@@ -70,6 +70,45 @@ def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
     assert (acc.chance(r, q, d) == want).all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_acceptance_counts_the_grown_trees_unverified_nodes_by_the_picks(seed):
+    """With the target's picks along the path, a grown tree of which only a prefix was
+    verified counts every node whose parent the path reached, accepted iff it carries its
+    parent's pick; on the verified prefix that is exactly the path (the walk follows the
+    pick), so the prefix's counts are those of observe(prefix, path)."""
+    rng = np.random.default_rng(seed)
+    extra = 0  # nodes counted past the verified prefix, over the trials
+    for _ in range(10):
+        full = grow(0, random_lattice(rng, rows=6, k=4), 16)
+        w = int(rng.integers(1, full.width + 1))
+        prefix = full.prefix(w)
+        path = random_path(rng, prefix)
+        # the walk's picks: each path node's child token, then one that no verified child of
+        # the last node carries: a child past the prefix (accepted there, unverified) or none
+        picks = [int(full.tokens[n]) for n in path[1:]]
+        kids = [n for n in np.flatnonzero(full.parents == path[-1]) if n >= w]
+        picks.append(int(full.tokens[kids[0]]) if kids and rng.random() < 0.7 else -5)
+        got, verified = AcceptanceModel(), AcceptanceModel()
+        got.observe(full, path, picks)
+        verified.observe(prefix, path)
+        want_off, want_acc = np.zeros_like(got.offered), np.zeros_like(got.accepted)
+        pick_at = dict(zip(path, picks))
+        for n in range(1, full.width):
+            if full.parents[n] in pick_at:
+                cell = (min(full.depth[n], AcceptanceModel.DEPTHS) - 1, min(full.rank[n], 15),
+                        np.searchsorted(AcceptanceModel.EDGES, np.exp(full.q[n]), side="right"))
+                want_off[cell] += 1
+                want_acc[cell] += full.tokens[n] == pick_at[full.parents[n]]
+        assert (got.offered == want_off).all() and (got.accepted == want_acc).all()
+        assert got.offered.sum() >= verified.offered.sum()
+        extra += got.offered.sum() - verified.offered.sum()
+        # the prefix alone, with the picks, counts what the path says
+        again = AcceptanceModel()
+        again.observe(prefix, path, picks)
+        assert (again.offered == verified.offered).all() and (again.accepted == verified.accepted).all()
+    assert extra > 0
+
+
 def expected_by_definition(acc, tree):
     """E(w): the sum over the first w nodes of each one's reach, the product of chance() along
     its path from the root."""

@@ -114,6 +114,7 @@ class Decoder:
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self._prompt_pending = False  # is the drafter yet to take in the prompt?
         self.verify_s = 0.0           # this round's verify time(s)
+        self._grown = None            # this round's grown tree, of which a prefix is verified
         self._eligible = False        # this round: auto, and the admission EMA let it go wide
         self.stats = GenerationStats()
         self.context: list[int] = []
@@ -184,7 +185,7 @@ class Decoder:
             return trees.chain(root, lattice, rows), False, None
         max_w = min(self.cfg.width or 16, room)
         ctx = self.engine.position
-        full = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
+        full = self._grown = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
         if mode == "tree":
             return full, True, None
         if self.rule.cost.calibrated(ctx) or full.width == 1:
@@ -312,7 +313,10 @@ class Decoder:
                                                round_s - catch_up_s, self._verify_slope())
                     self._drafted = (0, 0.0)
                     self.ema.update(len(path) - 1)
-                    self.rule.acceptance_for(ctx).observe(tree, path)
+                    grown, self._grown = self._grown, None
+                    # of a grown tree whose prefix was verified, the other nodes under the path
+                    # are known too: each is accepted if it carries its parent's pick
+                    self.rule.acceptance_for(ctx).observe(grown or tree, path, picks)
                     self.rule.observe_round(tree.is_chain, len(path), round_s - catch_up_s,
                                             (mode == "wide") if self._eligible else None)
                     if not calibration:  # a calibration round has fed its own verify timings
