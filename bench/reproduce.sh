@@ -55,3 +55,15 @@ python bench/replay_width.py record --model default --cohort 13 --max-tokens 128
 python bench/replay_width.py replay $R/replay_cohort_unpadded.json --widths "" --shared --requests 4 --max-tokens 128 --python-ms 0.15
 python bench/replay_fallback.py record --out $R/fallback_rounds_stop30.json
 python bench/replay_fallback.py replay $R/fallback_rounds_stop30.json
+# Stop 31: a held-out recording (depths 512 and 4096, the 30 held-out prompts), the replay suite
+# over every recording, the host's verify noise at 2K, the live width study and first requests
+python bench/replay_width.py record --model /tmp/padded --depths 512 4096 --prompts bench/heldout_prompts.json \
+    --prompts-n 30 --out $P/replay_heldout.json
+python bench/replay_suite.py --quiet
+python bench/verify_noise.py --model /tmp/padded --depth 2048 --out $P/verify_noise_2k.json
+sapwood bench width --model /tmp/padded --drafter default --depths 0 2048 8192 --reps 4 --max-tokens 64 \
+    --out $P/width_fd05b60.json | tee $P/width_fd05b60.txt
+for dw in "2048 3" "1 5" "8192 3"; do  # alternate with the previous build's copy (first_request.py)
+  set -- $dw
+  python bench/first_request.py --model /tmp/padded --depth $1 --width $2 --pairs 8
+done | tee -a $P/first_request_old_new2.txt

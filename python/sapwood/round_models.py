@@ -172,7 +172,7 @@ class AcceptanceModel:
     confidence and branch where it hesitates. Depth refines it: drafts are right in stretches,
     so a candidate whose parents were all accepted is likelier accepted the deeper it sits (on
     the padded target's cohort, rank-0 candidates of draft probability 0.2-0.35 were accepted
-    86% at depth 1 and 97% at depth 4 and more), which per-cell chances multiplied along a path
+    86% at depth 1 and 93% at depth 4 and more), which per-cell chances multiplied along a path
     underrate. Before any observation a cell's chance is a prior by rank; Beta counts take over
     as rounds come, depth by depth: a depth's cell borrows `depth_strength` pseudo-counts from
     the same cell pooled over depths."""
