@@ -407,6 +407,49 @@ def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
     assert (big.depth[:9] == np.arange(9)).all()
 
 
+@pytest.mark.parametrize("pick_chain", [False, True])
+def test_acceptance_learns_from_the_grown_tree_only_when_its_prefix_was_verified(
+        models, monkeypatch, pick_chain):
+    """A wide round verifies a prefix of the grown tree, or the drafter's chain where that
+    prices better; the acceptance model reads the grown tree (its unverified nodes too) only
+    in the first case, where the path's node indices are the grown tree's."""
+    monkeypatch.setattr(PlainFallback, "skip_draft", lambda self, behind=0: False)
+    monkeypatch.setattr(AdmissionEMA, "wide", lambda self: True)
+    monkeypatch.setattr(WidthRule, "trees_pay", lambda self: True)
+    if pick_chain:  # the drafter's whole chain, which a best-first tree rarely starts with
+        monkeypatch.setattr(WidthRule, "choose_tree", lambda self, cands, ctx, min_width=1: cands[1])
+    seen, grown = [], [None]
+    observe, grow_tree = AcceptanceModel.observe, AcceptanceModel.grow
+    def spy(self, tree, path, picks=None):
+        if self.parent is not None:  # the band's call (it passes the same tree to the drafter's)
+            seen.append(tree)
+        observe(self, tree, path, picks)
+    def grow_spy(self, *a):
+        grown[0] = grow_tree(self, *a)
+        return grown[0]
+    monkeypatch.setattr(AcceptanceModel, "observe", spy)
+    monkeypatch.setattr(AcceptanceModel, "grow", grow_spy)
+    target, root = models
+    p = prompt(24, seed=5)
+    off = target.generate(p, max_tokens=24, verify="off").tokens
+    target.reset_width_rules()
+    rounds = []  # (the round's grown tree or None, the verified tree)
+    def on_round(t, path, s):
+        rounds.append((grown[0], t))
+        grown[0] = None
+    r = target.generate(p, max_tokens=24, drafter=str(root / "draft"), verify="auto",
+                        adapt_rows=False, on_round=on_round)  # 8 rows: chains of 9 nodes
+    assert r.tokens == off
+    assert len(seen) == len(rounds) > 0
+    # what the model read: the grown tree where the verified tree is its prefix, else the
+    # verified tree itself
+    for (g, t), read in zip(rounds, seen):
+        assert read is (g if g is not None and g.has_prefix(t) else t)
+    read_more = [g for (g, t), read in zip(rounds, seen) if read is g and g.width > t.width]
+    chain_won = [t for g, t in rounds if g is not None and not g.has_prefix(t)]
+    assert len(chain_won if pick_chain else read_more) > 0  # both cases arise
+
+
 def test_first_wide_round_calibrates_the_cost_model(models, monkeypatch):
     """A fresh width rule times the full tree and the root alone before choosing; the full
     tree's logits then serve the chosen prefix, so the output is still plain decoding's.

@@ -193,6 +193,8 @@ class Decoder:
             # prefix of the best-first tree
             tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx,
                                          min_width=2 if self.plain.probing else 1)
+            if not full.has_prefix(tree):  # the drafter's chain won: the path indexes it alone
+                self._grown = None
             return tree, not tree.is_chain, None
         # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
         # the full tree's logits serve whichever prefix the rule then picks; the root's verify

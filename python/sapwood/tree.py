@@ -50,6 +50,13 @@ class Tree:
                               enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
         return self._children.get((int(node), int(token)), -1)
 
+    def has_prefix(self, other: "Tree") -> bool:
+        """Are `other`'s nodes this tree's first nodes (same tokens, same parents), so that
+        node indices mean the same in both?"""
+        w = other.width
+        return (w <= self.width and np.array_equal(self.parents[:w], other.parents)
+                and np.array_equal(self.tokens[:w], other.tokens))
+
     def prefix(self, w: int) -> "Tree":
         return Tree(self.tokens[:w], self.parents[:w], self.depth[:w], self.rank[:w], self.logp[:w],
                     self.q[:w])
