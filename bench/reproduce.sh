@@ -67,3 +67,10 @@ for dw in "2048 3" "1 5" "8192 3"; do  # alternate with the previous build's cop
   set -- $dw
   python bench/first_request.py --model /tmp/padded --depth $1 --width $2 --pairs 8
 done | tee -a $P/first_request_old_new2.txt
+for ab in "verify=chain verify=auto chain_auto" "verify=off verify=auto off_auto"; do
+  set -- $ab
+  sapwood bench ab --a $1 --b $2 --max-tokens 128 --blocks 4 --processes 3 --out $R/stop31_$3_8b1cae9.json \
+      | tee $R/stop31_$3_8b1cae9.txt
+done
+sapwood bench ab --model /tmp/padded --a verify=chain,drafter=default --b verify=auto,drafter=default \
+    --max-tokens 64 --blocks 4 --processes 3 --out $P/ab_chain_auto_8b1cae9.json | tee $P/ab_chain_auto_8b1cae9.txt
