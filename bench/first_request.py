@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 import sapwood
-from sapwood.benchmarks.width import context_text, first_requests
+from sapwood.benchmarks.width import depth_contexts, first_requests
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     a = ap.parse_args()
     m = sapwood.load(a.model, max_context=max(a.depth, 1) + a.max_tokens + 200)
-    ids = m.encode(context_text(6 * a.depth + 1000))[:max(a.depth, 1)]
+    ids = depth_contexts(m, [a.depth])[a.depth]
     m.generate(ids, verify="chain", max_tokens=16, drafter=a.drafter, cache_prompt=True)  # warm-up
     # the width study's own pairing (sapwood bench width), its arguments named as there
     r = first_requests(m, ids, a.width, argparse.Namespace(

@@ -32,13 +32,12 @@ from sapwood.policy import PlainFallback
 
 def record(a):
     import sapwood
-    from sapwood.benchmarks.width import context_text
+    from sapwood.benchmarks.width import depth_contexts
 
     model = sapwood.load("default", max_context=max(a.depths + [0]) + a.max_tokens + 300)
     prompts = [(p["id"], p["text"]) for p in json.load(open(a.cohort))["prompts"]]
     if a.depths:
-        ids = model.encode(context_text(6 * max(a.depths) + 1000))
-        prompts += [(f"depth{d}", ids[:d]) for d in a.depths]
+        prompts += [(f"depth{d}", ids) for d, ids in depth_contexts(model, a.depths).items()]
     model.generate(prompts[0][1], verify="chain", max_tokens=16)  # warm-up
     out = {}
     for pid, p in prompts:

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replay_width  # noqa: E402
+from sapwood.benchmarks.common import geomean  # noqa: E402
 
 R = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zen3_avx2")
 P = os.path.join(R, "padded")
@@ -54,7 +55,7 @@ def run(name, recs, opts, quiet=True) -> str:
             print(out.getvalue(), end="")
         for k, v in r.items():
             ratios.setdefault(k, []).extend(v)
-    g = replay_width.geomean
+    g = geomean
     if ratios["best_later"]:
         return (f"{name}: auto / best fixed width, later x{g(ratios['best_later']):.3f} (worst "
                 f"x{min(ratios['best_later']):.3f}), first x{g(ratios['best_first']):.3f} (worst "

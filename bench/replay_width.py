@@ -32,6 +32,7 @@ import zlib
 import numpy as np
 
 from sapwood import generate as G
+from sapwood.benchmarks.common import geomean
 from sapwood.drafters import Lattice
 
 
@@ -77,14 +78,13 @@ def record_context(model, d, name, prompt, a):
 def record(a):
     import sapwood
     from sapwood.benchmarks.common import load_cohort
-    from sapwood.benchmarks.width import context_text
+    from sapwood.benchmarks.width import depth_contexts
 
     model = sapwood.load(a.model, max_context=max(a.depths + [512]) + a.max_tokens + 64)
     d = model.resolve_drafter(a.drafter)
     contexts = []
     if a.depths:
-        ids = model.encode(context_text(6 * max(a.depths) + 1000))
-        contexts += [(f"depth {n}", ids[:max(n, 1)]) for n in a.depths]
+        contexts += [(f"depth {n}", ids) for n, ids in depth_contexts(model, a.depths).items()]
     contexts += [(p["id"], model._prompt_ids(p["text"])) for p in load_cohort()[:a.cohort]]
     if a.prompts:  # a file of {"prompts": [{"id", "text"}]}, as bench/heldout_prompts.json
         contexts += [(p["id"], model._prompt_ids(p["text"]))
@@ -206,7 +206,7 @@ def replay(a):
     as `sapwood bench ab` runs the cohort); --one-rule: the arms share theirs."""
     data = json.load(open(a.rec))
     contexts = data["contexts"]
-    noise = None if not getattr(a, "noise", None) else np.array(json.load(open(a.noise))["ratios"])
+    noise = None if a.noise is None else np.array(json.load(open(a.noise))["ratios"])
     lo, hi = (int(x) for x in a.widths.split("-")) if a.widths else (1, 0)
     arms = [str(w) for w in range(lo, hi + 1)] + ["chain", "auto"]
     rules = {}
@@ -248,14 +248,10 @@ def replay(a):
                      " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
         print(line)
     if len(contexts) > 1:
-        g = {k: geomean(v) for k, v in ratios.items() if v}
+        g = {k: geomean(v) for k, v in ratios.items()}
         print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
               f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
     return ratios
-
-
-def geomean(xs) -> float:
-    return float(np.exp(np.mean(np.log(xs))))
 
 
 def main():

@@ -25,10 +25,10 @@ def main():
     ap.add_argument("--out", default="verify_noise.json")
     a = ap.parse_args()
     import sapwood
-    from sapwood.benchmarks.width import context_text
+    from sapwood.benchmarks.width import depth_contexts
 
     model = sapwood.load(a.model, max_context=a.depth + 64)
-    prompt = model.encode(context_text(6 * a.depth + 1000))[:max(a.depth, 1)]
+    prompt = depth_contexts(model, [a.depth])[a.depth]
     eng = model.engine
     eng.reset()
     eng.prefill(prompt)

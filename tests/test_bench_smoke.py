@@ -200,10 +200,14 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
         sys.argv = argv
     ratios = json.loads(noise.read_text())["ratios"]
     assert len(ratios) == 6 and all(r > 0 for r in ratios) and 1.0 in ratios  # each width's median
-    noisy = [rw.replay(SimpleNamespace(rec=str(rec), requests=2, max_tokens=6, widths="1-2",
-                                       python_ms=0.2, one_rule=False, shared=False, trace=None,
-                                       noise=str(noise))) for _ in range(2)]
+    def replayed(noise_file):
+        return rw.replay(SimpleNamespace(rec=str(rec), requests=2, max_tokens=6, widths="1-2",
+                                         python_ms=0.2, one_rule=False, shared=False, trace=None,
+                                         noise=noise_file))
+    noisy = [replayed(str(noise)) for _ in range(2)]
     assert noisy[0] == noisy[1]
+    # and the scatter reaches the costs: the medians alone replay differently
+    assert replayed(None) != noisy[0]
     # bench/replay_suite.py's summary of a recording, deterministic on the virtual clock
     suite = bench_script("replay_suite")
     lines = [suite.run("tiny", [str(rec)], dict(requests=2, widths="1-2", python_ms=0.2))

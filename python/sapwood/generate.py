@@ -114,7 +114,6 @@ class Decoder:
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self._prompt_pending = False  # is the drafter yet to take in the prompt?
         self.verify_s = 0.0           # this round's verify time(s)
-        self._grown = None            # this round's grown tree, of which a prefix is verified
         self._eligible = False        # this round: auto, and the admission EMA let it go wide
         self.stats = GenerationStats()
         self.context: list[int] = []
@@ -158,8 +157,10 @@ class Decoder:
         return mode
 
     def _build(self, root: int, mode: str, room: int):
-        """This round's tree, whether it is wide, and its logits when they were already
-        computed (a calibration round), else None."""
+        """This round's tree, whether it is wide, its logits when they were already computed
+        (a calibration round) else None, and the tree the acceptance model learns from: the
+        grown tree where the round verifies a prefix of it (its other nodes under the path
+        are known by the picks), else the round's tree."""
         rows = self.cfg.rows
         if self.cfg.adapt_rows and mode == "chain":
             rows = self.draft_len.rows(self._verify_slope())
@@ -176,26 +177,27 @@ class Decoder:
             rows = min(rows, self.cfg.width - 1)
         rows = min(rows, room - 1)
         if rows <= 0:
-            return _root_tree(root), False, None
+            tree = _root_tree(root)
+            return tree, False, None, tree
         self._catch_up()
         t0 = time.perf_counter()
         lattice = self.drafter.draft(self.context, root, rows)
         self._drafted = (rows, time.perf_counter() - t0)
         if mode == "chain":
-            return trees.chain(root, lattice, rows), False, None
+            tree = trees.chain(root, lattice, rows)
+            return tree, False, None, tree
         max_w = min(self.cfg.width or 16, room)
         ctx = self.engine.position
-        full = self._grown = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
+        full = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
         if mode == "tree":
-            return full, True, None
+            return full, True, None, full
         if self.rule.cost.calibrated(ctx) or full.width == 1:
             # the drafter's chain competes too: a confident drafter's deep chain can beat every
             # prefix of the best-first tree
             tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx,
                                          min_width=2 if self.plain.probing else 1)
-            if not full.has_prefix(tree):  # the drafter's chain won: the path indexes it alone
-                self._grown = None
-            return tree, not tree.is_chain, None
+            # where the drafter's chain won, the path indexes the chain alone
+            return tree, not tree.is_chain, None, full if full.has_prefix(tree) else tree
         # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
         # the full tree's logits serve whichever prefix the rule then picks; the root's verify
         # runs first so that the engine's tape (what commit uses) is the full tree's.
@@ -212,7 +214,7 @@ class Decoder:
             self.rule.cost.observe_rest(ctx, t_draft)
         self.verify_s = t1 + tw
         w = self.rule.choose(full, ctx, min_width=2 if self.plain.probing else 1)
-        return full.prefix(w), True, logits[:w]
+        return full.prefix(w), True, logits[:w], full
 
     def run(self, prompt, prefill=None) -> Iterator[int]:
         """Yield emitted tokens (target picks) in order; stops at max_tokens, a stop id or a
@@ -265,7 +267,7 @@ class Decoder:
                     eng.commit(path)
                     committed = [root]
                 else:
-                    tree, wide, logits = self._build(root, mode, room)
+                    tree, wide, logits, learn_from = self._build(root, mode, room)
                     calibration = logits is not None
                     if not calibration:
                         t = time.perf_counter()
@@ -315,10 +317,7 @@ class Decoder:
                                                round_s - catch_up_s, self._verify_slope())
                     self._drafted = (0, 0.0)
                     self.ema.update(len(path) - 1)
-                    grown, self._grown = self._grown, None
-                    # of a grown tree whose prefix was verified, the other nodes under the path
-                    # are known too: each is accepted if it carries its parent's pick
-                    self.rule.acceptance_for(ctx).observe(grown or tree, path, picks)
+                    self.rule.acceptance_for(ctx).observe(learn_from, path, picks)
                     self.rule.observe_round(tree.is_chain, len(path), round_s - catch_up_s,
                                             (mode == "wide") if self._eligible else None)
                     if not calibration:  # a calibration round has fed its own verify timings

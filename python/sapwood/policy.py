@@ -178,8 +178,9 @@ class PlainFallback:
     `min_rounds`, with one pseudo-round `prior_spread` tokens off the mean: a fresh process's
     first request on a held-out prompt (padded target, bench/replay_suite.py) committed one
     token in each of its first four rounds, and with their spread of 0 went plain for 16
-    rounds where width 3 then kept 3 tokens a round (x0.734 -> x0.778 of the best fixed
-    width; the fallback's own recordings unchanged or up to +0.6%). The parameters come from
+    rounds where width 3 then kept 3 tokens a round (its first request x0.734 -> x0.851 of the
+    best fixed width, its later requests x0.950 -> x0.917; the fallback's own recordings
+    unchanged or up to +0.6%). The parameters come from
     replaying recorded chain rounds
     (bench/replay_fallback.py; bench/results/fallback_replay*.txt). The pooled spread against
     z_early's own spread up to min_rounds = 8 (`--pooled-rounds 0`), auto vs plain: a 2-core

@@ -141,19 +141,24 @@ def first_requests(model, ids, best_width, a) -> dict:
             "ratio_paired": {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}}
 
 
+def depth_contexts(model, depths) -> dict:
+    """The study's context at each depth: the first max(d, 1) tokens of one context_text (one
+    encode for every depth), as the width study, the replays and their helpers read them."""
+    ids = model.encode(context_text(6 * max(depths) + 1000))
+    if len(ids) < max(depths):
+        raise ValueError(f"only {len(ids)} context tokens available, depth {max(depths)} asked")
+    return {d: ids[:max(d, 1)] for d in depths}
+
+
 def main(a) -> int:
     import sapwood
 
     model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
                          max_context=max(a.depths) + a.max_tokens + 64)
-    text = context_text(6 * max(a.depths) + 1000)
-    all_ids = model.encode(text)
-    if len(all_ids) < max(a.depths):
-        raise ValueError(f"only {len(all_ids)} context tokens available")
+    prompt_of = depth_contexts(model, a.depths)
     out = {"revision": source_revision(), "model": model_identity(model), "machine": machine(),
            "max_width": a.max_width, "max_tokens": a.max_tokens, "reps": a.reps,
            "first_request": {}, "depths": []}
-    prompt_of = {d: all_ids[:max(d, 1)] for d in a.depths}
     model.generate(prompt_of[a.depths[0]], verify="chain", drafter=a.drafter, max_tokens=16,
                    cache_prompt=True)  # warm-up
     for d in a.depths:
