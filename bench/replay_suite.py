@@ -5,7 +5,8 @@ time, so two runs of one build print the same digits), summarized in one line ea
     python bench/replay_suite.py [--quiet]
 
 - width: the width study's contexts (padded target, depths 1 .. 8K): auto against the best
-  fixed width, later requests and a fresh rule's first, geometric mean and worst context;
+  fixed width, later requests and a fresh rule's first, geometric mean and worst context, and
+  the best fixed width's own first request against its later ones;
 - width held out: the same on a recording made after the policy's parameters were chosen
   (depths 512 and 4096 and 30 held-out prompts, padded/replay_heldout.json);
 - cohort, cohort held out, unpadded: one rule serving every prompt in turn (as `sapwood bench
@@ -59,7 +60,8 @@ def run(name, recs, opts, quiet=True) -> str:
     if ratios["best_later"]:
         return (f"{name}: auto / best fixed width, later x{g(ratios['best_later']):.3f} (worst "
                 f"x{min(ratios['best_later']):.3f}), first x{g(ratios['best_first']):.3f} (worst "
-                f"x{min(ratios['best_first']):.3f}) over {len(ratios['best_later'])} contexts")
+                f"x{min(ratios['best_first']):.3f}); the best fixed width's own first x"
+                f"{g(ratios['fixed_first']):.3f}, over {len(ratios['best_later'])} contexts")
     return (f"{name}: auto / chain, later x{g(ratios['later']):.3f} (worst "
             f"x{min(ratios['later']):.3f}), first x{g(ratios['first']):.3f} over "
             f"{len(ratios['later'])} prompts")
@@ -68,9 +70,11 @@ def run(name, recs, opts, quiet=True) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quiet", action="store_true", help="the summary lines only")
+    ap.add_argument("--only", default=None, help="the lines whose name contains this")
     a = ap.parse_args()
     for name, recs, opts in SUITE:
-        print(run(name, recs, opts, quiet=a.quiet), flush=True)
+        if a.only is None or a.only in name:
+            print(run(name, recs, opts, quiet=a.quiet), flush=True)
 
 
 if __name__ == "__main__":

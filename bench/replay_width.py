@@ -225,7 +225,8 @@ def replay(a):
                         seed=zlib.crc32(f"{c['name']} {i}".encode())))
     finally:
         G.time = time
-    ratios = {"first": [], "later": [], "best_first": [], "best_later": []}  # auto / chain, best
+    ratios = {"first": [], "later": [], "best_first": [], "best_later": [],  # auto / chain, best
+              "fixed_first": []}
     for c in contexts:
         rows = {arm: tps[c["name"], arm] for arm in arms}
         later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
@@ -243,8 +244,12 @@ def replay(a):
             # rounds where a calibrated one verified 31, so fresh against fresh read x0.96
             # where live ran x0.83)
             ratios["best_first"].append(rows["auto"][0] / later[best])
+            # the best fixed width's own first request (its trees grown from a fresh
+            # calibration): what the first request costs any tree, the rule's choices aside
+            ratios["fixed_first"].append(rows[best][0] / later[best])
             line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
-                     f" (first request x{rows['auto'][0] / later[best]:.3f})\n  fixed: " +
+                     f" (first request x{rows['auto'][0] / later[best]:.3f}; its own first "
+                     f"x{rows[best][0] / later[best]:.3f})\n  fixed: " +
                      " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
         print(line)
     if len(contexts) > 1:

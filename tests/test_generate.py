@@ -84,6 +84,26 @@ def test_stop_ids_and_max_tokens(models):
         assert r.tokens == full[:n] and r.finish_reason == "length"
 
 
+@pytest.mark.parametrize("verify,width", [("chain", None), ("tree", 16), ("auto", None)])
+def test_rounds_draft_no_more_rows_than_the_request_still_needs(models, verify, width):
+    # a round yields its accepted rows and one pick: near max_tokens the rows past that are
+    # drafted and verified for nothing (the target drafting for itself keeps every row)
+    target, root = models
+    p = prompt(20, seed=5)
+    for n in [2, 7, 13, 30]:
+        emitted, deepest = [1], []
+
+        def on_round(tree, path, seconds):
+            deepest.append((int(tree.depth.max()), n - emitted[0] - 1))
+            emitted[0] += len(path)
+
+        r = target.generate(p, max_tokens=n, verify=verify, width=width,
+                            drafter=str(root / "target"), on_round=on_round)
+        assert r.tokens == target.generate(p, max_tokens=n, verify="off").tokens
+        assert all(depth <= need for depth, need in deepest), (n, deepest)
+        assert deepest[-1][0] == deepest[-1][1]  # the last round drafts what is left, no less
+
+
 def test_sampled_drafts_follow_the_target_sample(models):
     """A draft that is the target itself proposes, when sampling, the target's own keyed sample
     (the chain follows the sampler's noise): nearly every row is accepted. A greedy chain at

@@ -175,7 +175,10 @@ class Decoder:
             # a tree of w nodes reaches depth w - 1 at most: rows past it would never be
             # verified (and a row's candidates do not depend on the rows after it)
             rows = min(rows, self.cfg.width - 1)
-        rows = min(rows, room - 1)
+        # a round yields its accepted rows and one pick more: rows past what the request still
+        # needs would be drafted and verified for tokens it never emits (replayed, a chain of
+        # 9 rows kept 3 of them in the last round of a 64-token request, at the cost of 9)
+        rows = min(rows, room - 1, self.cfg.max_tokens - self.stats.tokens - 1)
         if rows <= 0:
             tree = _root_tree(root)
             return tree, False, None, tree
