@@ -14,7 +14,9 @@ the new build won.
 --in-process loads both builds into one process and alternates their requests ABBA per
 prompt, which this noisy host needs for changes of a few percent (process pairs here differ by
 up to 2x). Two pybind11 modules that register the same types must not share pybind11's
-internals: build one of them with -DCMAKE_CXX_FLAGS=-DPYBIND11_INTERNALS_VERSION=99. Each
+internals: build one of them with -DCMAKE_CXX_FLAGS=-DPYBIND11_INTERNALS_VERSION=99, or, for
+a change to the Python alone, give --share-core: both packages then run on NEW_DIR's _core
+(OLD_DIR needs no _core: `git archive REV python/sapwood | tar -x -C OLD_DIR --strip-components 1`). Each
 build has its own thread pool, so a build's helper spins on for 2 ms into the other's turn;
 an A/A of two such builds of one source read x0.991 (off) and x0.988 (chain) over 4 blocks:
 read smaller changes as none.
@@ -64,9 +66,12 @@ def run_child(pkg_dir: str, modes: str, max_tokens: int, rounds: int) -> dict:
     return r
 
 
-def load_as(name: str, pkg_dir: str):
-    """The `sapwood` package under pkg_dir, imported as `name` (its imports are relative)."""
+def load_as(name: str, pkg_dir: str, core=None):
+    """The `sapwood` package under pkg_dir, imported as `name` (its imports are relative);
+    with `core`, that _core module instead of its own."""
     import importlib.util
+    if core is not None:
+        sys.modules[f"{name}._core"] = core
     init = Path(pkg_dir).resolve() / "sapwood" / "__init__.py"
     spec = importlib.util.spec_from_file_location(name, init,
                                                   submodule_search_locations=[str(init.parent)])
@@ -78,22 +83,27 @@ def load_as(name: str, pkg_dir: str):
 
 def in_process(a, modes):
     import importlib
-    models = {k: load_as(f"sapwood_{k}", getattr(a, k)).load("default") for k in ("old", "new")}
-    # the old build's helpers: importing the installed sapwood here would load a third _core
-    common = importlib.import_module("sapwood_old.benchmarks.common")
+    # one _core for both with --share-core: NEW_DIR's, or the one this process has loaded
+    # already (a second copy of it cannot register its types again)
+    new = load_as("sapwood_new", a.new, core=sys.modules.get("sapwood._core") if a.share_core else None)
+    old = load_as("sapwood_old", a.old, core=new._core if a.share_core else None)
+    models = {k: m.load(a.model) for k, m in (("old", old), ("new", new))}
+    # the new build's helpers: importing the installed sapwood here would load a third _core
+    common = importlib.import_module("sapwood_new.benchmarks.common")
     geomean = common.geomean
     prompts = [p["text"] for p in common.load_cohort()]
     for md in modes:
         for p in prompts[:3]:  # warm-up, not timed
             for m in models.values():
-                m.generate(p, max_tokens=32, verify=md)
+                m.generate(p, max_tokens=32, verify=md, drafter=a.drafter)
         ratios = []
         for b in range(a.blocks):
             for p in prompts:
                 tok = {"old": [0, 0.0], "new": [0, 0.0]}
                 ref = None
                 for k in ("old", "new", "new", "old") if b % 2 == 0 else ("new", "old", "old", "new"):
-                    g = models[k].generate(p, max_tokens=a.max_tokens, verify=md)
+                    g = models[k].generate(p, max_tokens=a.max_tokens, verify=md,
+                                           drafter=a.drafter)
                     ref = ref or g.tokens
                     if g.tokens != ref:
                         raise AssertionError(f"{md}: the builds' output tokens differ")
@@ -116,6 +126,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="passes over the cohort a process")
     ap.add_argument("--in-process", action="store_true", help="both builds in one process")
     ap.add_argument("--blocks", type=int, default=4, help="ABBA blocks (--in-process)")
+    ap.add_argument("--share-core", action="store_true",
+                    help="--in-process, a Python change: the old package runs on the new _core")
+    ap.add_argument("--model", default="default", help="--in-process: the target")
+    ap.add_argument("--drafter", default=None, help="--in-process: the drafter")
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
     if a.in_process:

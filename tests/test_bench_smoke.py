@@ -228,3 +228,29 @@ def test_first_request_command_pairs_a_fresh_rule_with_a_fixed_width(ckpt, tmp_p
     finally:
         sys.argv = argv
     assert "depth 8: first request / fixed w3: median x" in capsys.readouterr().out
+
+
+def test_ab_builds_in_process_on_one_core(ckpt, tmp_path, capsys):
+    """bench/ab_builds.py --in-process --share-core: two copies of the Python package on one
+    _core (here the one this process loaded), ABBA in one process."""
+    import shutil
+
+    import sapwood
+
+    src = Path(sapwood.__file__).parent
+    for d in ("old", "new"):
+        shutil.copytree(src, tmp_path / d / "sapwood",
+                        ignore=shutil.ignore_patterns("data", "__pycache__", "_core*"))
+    draft = tmp_path / "draft"
+    make_tiny_checkpoint(draft, seed=2)
+    try:
+        bench_script("ab_builds").main([
+            str(tmp_path / "old"), str(tmp_path / "new"), "--in-process", "--share-core",
+            "--model", str(ckpt), "--drafter", str(draft), "--modes", "off,chain",
+            "--max-tokens", "4", "--blocks", "1"])
+        assert sys.modules["sapwood_old._core"] is sys.modules["sapwood_new._core"]
+    finally:
+        for k in [k for k in sys.modules if k.startswith(("sapwood_old", "sapwood_new"))]:
+            del sys.modules[k]
+    out = capsys.readouterr().out
+    assert "off: new/old decode geomean x" in out and "chain: new/old decode geomean x" in out
