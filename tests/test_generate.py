@@ -460,6 +460,7 @@ def test_acceptance_learns_from_the_grown_tree_only_when_its_prefix_was_verified
     r = target.generate(p, max_tokens=24, drafter=str(root / "draft"), verify="auto",
                         adapt_rows=False, on_round=on_round)  # 8 rows: chains of 9 nodes
     assert r.tokens == off
+    rounds = [(g, t) for g, t in rounds if g is not None or t.width > 1]  # not plain rounds
     assert len(seen) == len(rounds) > 0
     # what the model read: the grown tree where the verified tree is its prefix, else the
     # verified tree itself

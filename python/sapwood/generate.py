@@ -260,6 +260,10 @@ class Decoder:
                 t_round = time.perf_counter()
                 self._eligible = False  # set by _mode: an auto round the EMA let go wide
                 mode = self._mode()
+                if mode != "off" and cfg.max_tokens - st.tokens <= 1:
+                    # the request needs one token more: the root's pick, a plain round (timed
+                    # and judged as one, not as a speculative round that kept nothing)
+                    mode = "plain"
                 if mode in ("off", "plain"):  # the root alone: no tree, no walk
                     tree, wide, calibration = None, False, False
                     t = time.perf_counter()
