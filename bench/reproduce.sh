@@ -74,3 +74,21 @@ for ab in "verify=chain verify=auto chain_auto" "verify=off verify=auto off_auto
 done
 sapwood bench ab --model /tmp/padded --a verify=chain,drafter=default --b verify=auto,drafter=default \
     --max-tokens 64 --blocks 4 --processes 3 --out $P/ab_chain_auto_8b1cae9.json | tee $P/ab_chain_auto_8b1cae9.txt
+# Stop 32: the row cap A/B'd in one process on one _core against the previous Python (no
+# build: git archive), the replay suite, the live width study, the padded and unpadded A/Bs
+mkdir -p /tmp/old /tmp/new && git archive 13428b4 python/sapwood | tar -x -C /tmp/old --strip-components 1
+cp -r python/sapwood /tmp/new/ && cp "$(python -c 'import sapwood._core as c; print(c.__file__)')" /tmp/new/sapwood/
+python bench/ab_builds.py /tmp/old /tmp/new --in-process --share-core --model /tmp/padded --drafter default \
+    --modes chain,auto --max-tokens 64 --blocks 2 | tee $P/ab_row_cap.txt
+python bench/replay_suite.py --quiet
+sapwood bench width --model /tmp/padded --drafter default --depths 0 2048 8192 --reps 4 --max-tokens 64 \
+    --out $P/width_rowcap.json | tee $P/width_rowcap.txt
+sapwood bench ab --model /tmp/padded --a verify=chain,drafter=default --b verify=auto,drafter=default \
+    --max-tokens 64 --blocks 4 --processes 3 --out $P/ab_chain_auto_a24dee2.json | tee $P/ab_chain_auto_a24dee2.txt
+sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 4 --processes 3 \
+    --out $R/stop32_off_auto_a24dee2.json | tee $R/stop32_off_auto_a24dee2.txt
+for ab in "verify=chain verify=auto chain_auto" "verify=off verify=chain off_chain"; do
+  set -- $ab
+  sapwood bench ab --a $1 --b $2 --max-tokens 128 --blocks 4 --processes 3 --out $R/stop32_$3_a24dee2.json \
+      | tee $R/stop32_$3_a24dee2.txt
+done
