@@ -4,8 +4,9 @@ the whole study) alone and with more pairs, for comparing builds.
 
     python bench/first_request.py --model /tmp/padded --depth 2048 --width 3 [--pairs 8]
 
-Per pair (ABBA order, sapwood.benchmarks.width.first_requests): a request of the fixed width,
-and one of auto after Model.reset_width_rules() (what a fresh process knows), both of
+Per pair (rotating order, sapwood.benchmarks.width.first_requests): a request of the fixed
+width, one of auto after Model.reset_width_rules() (what a fresh process knows) and one of the
+fixed width after a reset too (what a fresh calibration costs the fixed width itself), all of
 --max-tokens on the width study's context at --depth with the prompt cached. Prints the median
 and range of the paired ratios of decode tokens/s. Two builds side by side: run it under each in turn, e.g. with
 PYTHONPATH=OTHER:SITE_PACKAGES python -S (an editable install otherwise imports the working tree).
@@ -37,7 +38,9 @@ def main():
     print(f"{sapwood.__file__}: depth {a.depth}: first request / fixed w{a.width}: median "
           f"x{r['ratio_paired']['median']:.3f} [{lo:.3f}, {hi:.3f}] (rule "
           f"{np.median(r['rule_tokens_per_s']):.1f}, fixed {np.median(r['fixed_tokens_per_s']):.1f} "
-          f"decode tok/s, {a.pairs} pairs)")
+          f"decode tok/s, {a.pairs} pairs); the fixed width's own first request x"
+          f"{r['fresh_fixed_ratio_paired']['median']:.3f}, a fresh rule / a fresh fixed width x"
+          f"{r['rule_over_fresh_fixed_paired']['median']:.3f}")
 
 
 if __name__ == "__main__":

@@ -92,3 +92,7 @@ for ab in "verify=chain verify=auto chain_auto" "verify=off verify=chain off_cha
   sapwood bench ab --a $1 --b $2 --max-tokens 128 --blocks 4 --processes 3 --out $R/stop32_$3_a24dee2.json \
       | tee $R/stop32_$3_a24dee2.txt
 done
+for dw in "2048 3" "1 5" "8192 4"; do  # the fixed width's own first request beside the rule's
+  set -- $dw
+  python bench/first_request.py --model /tmp/padded --depth $1 --width $2 --pairs 8
+done | tee $P/first_request_fresh_fixed.txt

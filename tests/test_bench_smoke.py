@@ -136,6 +136,8 @@ def test_width_command(ckpt, tmp_path):
     assert all(len(d["fixed_tokens_per_s"]) == 4 for d in res["depths"])
     assert all(len(s) == 2 for d in res["depths"] for s in d["fixed_tokens_per_s_samples"])
     assert all(len(v) == 2 for v in res["first_request"].values())
+    assert all(len(d["first_request_fixed_tokens_per_s"]) == 2 and d["fresh_fixed_ratio"] > 0
+               for d in res["depths"])
 
 
 def test_peers_command_interleaves_and_reports_missing_peers(ckpt, tmp_path, capsys):

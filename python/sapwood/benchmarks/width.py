@@ -120,25 +120,36 @@ def plot(results, path):
 
 def first_requests(model, ids, best_width, a) -> dict:
     """The first request of a fresh rule (no cost or acceptance history) against the best fixed
-    width, `reps` pairs side by side in alternating order (ABBA): on a shared machine a ratio
-    of medians taken minutes apart swung 0.6-1.2 between runs; paired, each ratio sees the same
-    minute of the machine. The process is warm (allocations, first touches, the draft model's
-    first forwards, the prompt in both prompt caches), not the rule."""
+    width, `reps` rounds of three arms side by side in rotating order: on a shared machine a
+    ratio of medians taken minutes apart swung 0.6-1.2 between runs; paired, each ratio sees
+    the same minute of the machine. Arms: the rule after Model.reset_width_rules(); the fixed
+    width on the history the other arms left; the fixed width after a reset too, whose ratio to
+    the former is what a fresh acceptance calibration costs any tree (its shapes), the rule's
+    choices aside. The process is warm (allocations, first touches, the draft model's first
+    forwards, the prompt in both prompt caches), not the rule."""
     gen = dict(max_tokens=a.max_tokens, drafter=a.drafter, temperature=a.temperature,
                cache_prompt=True)
-    first, fixed = [], []
+    arms = ("rule", "fixed", "fixed_fresh")
+    tps = {arm: [] for arm in arms}
     for rep in range(a.reps):
-        for arm in (("rule", "fixed") if rep % 2 == 0 else ("fixed", "rule")):
-            if arm == "rule":
+        for arm in (arms if rep % 2 == 0 else arms[::-1]):
+            if arm != "fixed":
                 model.reset_width_rules()
+            if arm == "rule":
                 r = model.generate(ids, verify="auto", width=a.max_width, **gen)
-                first.append(r.stats.decode_tokens_per_s)
             else:
                 r = model.generate(ids, verify="tree", width=best_width, **gen)
-                fixed.append(r.stats.decode_tokens_per_s)
-    paired = [f / b for f, b in zip(first, fixed)]
-    return {"rule_tokens_per_s": first, "fixed_tokens_per_s": fixed,
-            "ratio_paired": {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}}
+            tps[arm].append(r.stats.decode_tokens_per_s)
+
+    def paired(num, den):
+        x = [n / d for n, d in zip(tps[num], tps[den])]
+        return {"median": float(np.median(x)), "range": [min(x), max(x)]}
+
+    return {"rule_tokens_per_s": tps["rule"], "fixed_tokens_per_s": tps["fixed"],
+            "fresh_fixed_tokens_per_s": tps["fixed_fresh"],
+            "ratio_paired": paired("rule", "fixed"),
+            "fresh_fixed_ratio_paired": paired("fixed_fresh", "fixed"),
+            "rule_over_fresh_fixed_paired": paired("rule", "fixed_fresh")}
 
 
 def depth_contexts(model, depths) -> dict:
@@ -172,15 +183,21 @@ def main(a) -> int:
         res["first_request_fixed_tokens_per_s"] = first["fixed_tokens_per_s"]
         res["first_request_ratio"] = first["ratio_paired"]["median"]
         res["first_request_ratio_range"] = first["ratio_paired"]["range"]
+        res["fresh_fixed_ratio"] = first["fresh_fixed_ratio_paired"]["median"]
+        res["first_request_over_fresh_fixed"] = first["rule_over_fresh_fixed_paired"]["median"]
+        lo, hi = res["first_request_ratio_range"]
         print(f"depth {d:>6}: first request of a fresh rule / fixed w={res['best_fixed_width']}, "
-              f"paired: x{res['first_request_ratio']:.3f} "
-              f"[{res['first_request_ratio_range'][0]:.3f}, {res['first_request_ratio_range'][1]:.3f}]")
+              f"paired: x{res['first_request_ratio']:.3f} [{lo:.3f}, {hi:.3f}]; the fixed "
+              f"width's own first request x{res['fresh_fixed_ratio']:.3f} of it (a fresh rule "
+              f"/ a fresh fixed width x{res['first_request_over_fresh_fixed']:.3f})")
         out["depths"].append(res)
-    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio  plain_tok/s  rule/plain")
+    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio  fresh_fixed  "
+          "plain_tok/s  rule/plain")
     for r in out["depths"]:
         print(f"{r['depth']:>6} {r['best_fixed_width']:>6} {r['best_fixed_tokens_per_s']:>10.1f} "
               f"{r['rule_tokens_per_s']:>10.1f} {r['rule_ratio']:>6.3f} {r['first_request_ratio']:>8.3f} "
-              f"{r['plain_tokens_per_s']:>12.1f} {r['rule_over_plain']:>10.3f}")
+              f"{r['fresh_fixed_ratio']:>16.3f} {r['plain_tokens_per_s']:>12.1f} "
+              f"{r['rule_over_plain']:>10.3f}")
     out["plot"] = plot(out["depths"], Path(a.out).with_suffix(".png"))
     print(f"plot: {out['plot']}")
     sha = dump_json(out, a.out)
