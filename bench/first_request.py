@@ -5,8 +5,9 @@ the whole study) alone and with more pairs, for comparing builds.
     python bench/first_request.py --model /tmp/padded --depth 2048 --width 3 [--pairs 8]
 
 Per pair (rotating order, sapwood.benchmarks.width.first_requests): a request of the fixed
-width, one of auto after Model.reset_width_rules() (what a fresh process knows) and one of the
-fixed width after a reset too (what a fresh calibration costs the fixed width itself), all of
+width on its own policy state (warmed by three requests first), one of auto on a fresh state
+(what a fresh process knows) and one of the fixed width on a fresh state too (what a fresh
+calibration costs the fixed width itself), all of
 --max-tokens on the width study's context at --depth with the prompt cached. Prints the median
 and range of the paired ratios of decode tokens/s. Two builds side by side: run it under each in turn, e.g. with
 PYTHONPATH=OTHER:SITE_PACKAGES python -S (an editable install otherwise imports the working tree).

@@ -3,7 +3,7 @@ narrower prefix w = 1..W would have accepted (exact by the prefix property: the 
 at width w is the wide path cut at the first node >= w), time forced-width runs, and compare
 the width rule against the best fixed width; the first request of a fresh process (no cost
 or acceptance history) is reported separately, paired side by side with the best fixed width.
-Each depth starts from a fresh rule.
+Every arm keeps its own policy state, fresh at each depth.
 """
 from __future__ import annotations
 
@@ -45,32 +45,35 @@ def accepted_by_width(tree, path, max_width) -> np.ndarray:
 def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, log):
     gen = dict(max_tokens=max_tokens, temperature=temperature, drafter=drafter, cache_prompt=True)
     res = {"depth": len(ids)}
+    # Each arm learns its own policy state (Model.policy_state), as a server running that
+    # configuration would: sharing one, the rule learned from the forced widths' rounds too.
+    arms = list(range(1, max_width + 1)) + ["rule", "plain"]  # plain: no draft, a reference
+    states = {arm: {} for arm in arms}
     # 1. Rounds at the widest tree: per-round acceptance of every prefix width.
     accs = []
-    model.generate(ids, verify="tree", width=max_width, **gen,
-                   on_round=lambda t, p, s: accs.append(accepted_by_width(t, p, max_width)))
+    with model.policy_state(states[max_width]):
+        model.generate(ids, verify="tree", width=max_width, **gen,
+                       on_round=lambda t, p, s: accs.append(accepted_by_width(t, p, max_width)))
     acc = np.mean(accs, axis=0) if accs else np.zeros(max_width)
     res["derived_tokens_per_round"] = (1 + acc).tolist()
     # 2. Forced widths and the rule, timed (decode only: prompt cached), `reps` passes over all
-    #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike.
-    #    The model keeps one width rule, so the rule arm also learns from the forced arms'
-    #    rounds (as a long-running server would from its traffic); the first request of a
-    #    fresh rule is measured apart, in first_requests().
-    arms = list(range(1, max_width + 1)) + ["rule", "plain"]  # plain: no draft, a reference
+    #    arms in alternating order (ABBA) so drifts of a shared machine hit every arm alike;
+    #    the first request of a fresh rule is measured apart, in first_requests().
     tps = {arm: [] for arm in arms}
     widths = arms[:-2]
     round_s = {w: [] for w in widths}
     rule_widths = []
     for rep in range(reps):
         for arm in (arms if rep % 2 == 0 else arms[::-1]):
-            if arm == "rule":
-                r = model.generate(ids, verify="auto", width=max_width, **gen,
-                                   on_round=lambda t, p, s: rule_widths.append(t.width))
-            elif arm == "plain":
-                r = model.generate(ids, verify="off", **gen)
-            else:
-                r = model.generate(ids, verify="tree", width=arm, **gen,
-                                   on_round=lambda t, p, s, w=arm: round_s[w].append(s))
+            with model.policy_state(states[arm]):
+                if arm == "rule":
+                    r = model.generate(ids, verify="auto", width=max_width, **gen,
+                                       on_round=lambda t, p, s: rule_widths.append(t.width))
+                elif arm == "plain":
+                    r = model.generate(ids, verify="off", **gen)
+                else:
+                    r = model.generate(ids, verify="tree", width=arm, **gen,
+                                       on_round=lambda t, p, s, w=arm: round_s[w].append(s))
             tps[arm].append(r.stats.decode_tokens_per_s)
     med = {arm: float(np.median(x)) for arm, x in tps.items()}
     res["fixed_tokens_per_s"] = [med[w] for w in widths]
@@ -80,6 +83,7 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     res["derived_tokens_per_s"] = [(1 + a) / (ms / 1e3) for a, ms in zip(acc, res["round_ms"])]
     best = int(np.argmax(res["fixed_tokens_per_s"]))
     res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, med[best + 1]
+    res["_best_state"] = states[best + 1]  # first_requests' warm fixed arm (not saved)
     res["rule_tokens_per_s"], res["rule_tokens_per_s_samples"] = med["rule"], tps["rule"]
     res["rule_ratio"] = med["rule"] / med[best + 1]
     paired = [r / b for r, b in zip(tps["rule"], tps[best + 1])]
@@ -118,27 +122,33 @@ def plot(results, path):
     return str(path)
 
 
-def first_requests(model, ids, best_width, a) -> dict:
+def first_requests(model, ids, best_width, a, warm: dict | None = None,
+                   warm_requests: int = 3) -> dict:
     """The first request of a fresh rule (no cost or acceptance history) against the best fixed
     width, `reps` rounds of three arms side by side in rotating order: on a shared machine a
     ratio of medians taken minutes apart swung 0.6-1.2 between runs; paired, each ratio sees
-    the same minute of the machine. Arms: the rule after Model.reset_width_rules(); the fixed
-    width on the history the other arms left; the fixed width after a reset too, whose ratio to
-    the former is what a fresh acceptance calibration costs any tree (its shapes), the rule's
-    choices aside. The process is warm (allocations, first touches, the draft model's first
-    forwards, the prompt in both prompt caches), not the rule."""
+    the same minute of the machine. Arms, each in its own policy state (Model.policy_state):
+    the rule, fresh every time; the fixed width on `warm` (its state from the study; without
+    one, a state warmed by `warm_requests` requests of it first); the fixed width fresh every
+    time too, whose ratio to the warm one is what a fresh acceptance calibration costs any tree
+    (its shapes), the rule's choices aside. The process is warm (allocations, first touches,
+    the draft model's first forwards, the prompt in both prompt caches), not the policy."""
     gen = dict(max_tokens=a.max_tokens, drafter=a.drafter, temperature=a.temperature,
                cache_prompt=True)
+    if warm is None:
+        warm = {}
+        with model.policy_state(warm):
+            for _ in range(warm_requests):
+                model.generate(ids, verify="tree", width=best_width, **gen)
     arms = ("rule", "fixed", "fixed_fresh")
     tps = {arm: [] for arm in arms}
     for rep in range(a.reps):
         for arm in (arms if rep % 2 == 0 else arms[::-1]):
-            if arm != "fixed":
-                model.reset_width_rules()
-            if arm == "rule":
-                r = model.generate(ids, verify="auto", width=a.max_width, **gen)
-            else:
-                r = model.generate(ids, verify="tree", width=best_width, **gen)
+            with model.policy_state(warm if arm == "fixed" else {}):
+                if arm == "rule":
+                    r = model.generate(ids, verify="auto", width=a.max_width, **gen)
+                else:
+                    r = model.generate(ids, verify="tree", width=best_width, **gen)
             tps[arm].append(r.stats.decode_tokens_per_s)
 
     def paired(num, den):
@@ -173,11 +183,11 @@ def main(a) -> int:
     model.generate(prompt_of[a.depths[0]], verify="chain", drafter=a.drafter, max_tokens=16,
                    cache_prompt=True)  # warm-up
     for d in a.depths:
-        model.reset_width_rules()
         res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature,
                           a.reps, print)
         # The first request of a fresh process, after the study has found the best fixed width
-        first = first_requests(model, prompt_of[d], res["best_fixed_width"], a)
+        first = first_requests(model, prompt_of[d], res["best_fixed_width"], a,
+                               warm=res.pop("_best_state"))
         out["first_request"][d] = first["rule_tokens_per_s"]
         res["first_request_rule_tokens_per_s"] = float(np.median(first["rule_tokens_per_s"]))
         res["first_request_fixed_tokens_per_s"] = first["fixed_tokens_per_s"]
