@@ -95,4 +95,6 @@ done
 for dw in "2048 3" "1 5" "8192 4"; do  # the fixed width's own first request beside the rule's
   set -- $dw
   python bench/first_request.py --model /tmp/padded --depth $1 --width $2 --pairs 8
-done | tee $P/first_request_fresh_fixed.txt
+done | tee $P/first_request_fresh_fixed.txt  # at 59fea75
+sapwood bench width --model /tmp/padded --drafter default --depths 0 2048 8192 --reps 4 --max-tokens 64 \
+    --out $P/width_59fea75.json | tee $P/width_59fea75.txt
