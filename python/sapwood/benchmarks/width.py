@@ -43,6 +43,7 @@ def accepted_by_width(tree, path, max_width) -> np.ndarray:
 
 
 def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, log):
+    """The study at one context: (its results, each arm's policy state by arm)."""
     gen = dict(max_tokens=max_tokens, temperature=temperature, drafter=drafter, cache_prompt=True)
     res = {"depth": len(ids)}
     # Each arm learns its own policy state (Model.policy_state), as a server running that
@@ -83,7 +84,6 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     res["derived_tokens_per_s"] = [(1 + a) / (ms / 1e3) for a, ms in zip(acc, res["round_ms"])]
     best = int(np.argmax(res["fixed_tokens_per_s"]))
     res["best_fixed_width"], res["best_fixed_tokens_per_s"] = best + 1, med[best + 1]
-    res["_best_state"] = states[best + 1]  # first_requests' warm fixed arm (not saved)
     res["rule_tokens_per_s"], res["rule_tokens_per_s_samples"] = med["rule"], tps["rule"]
     res["rule_ratio"] = med["rule"] / med[best + 1]
     paired = [r / b for r, b in zip(tps["rule"], tps[best + 1])]
@@ -94,7 +94,7 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
         f"{res['rule_ratio_paired']['median']:.3f} [{min(paired):.3f}, {max(paired):.3f}]); "
         f"mean rule width {np.mean(rule_widths) if rule_widths else 0:.1f}; plain decoding "
         f"{med['plain']:.1f} tok/s")
-    return res
+    return res, states
 
 
 def plot(results, path):
@@ -183,11 +183,11 @@ def main(a) -> int:
     model.generate(prompt_of[a.depths[0]], verify="chain", drafter=a.drafter, max_tokens=16,
                    cache_prompt=True)  # warm-up
     for d in a.depths:
-        res = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter, a.temperature,
-                          a.reps, print)
+        res, states = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter,
+                                  a.temperature, a.reps, print)
         # The first request of a fresh process, after the study has found the best fixed width
         first = first_requests(model, prompt_of[d], res["best_fixed_width"], a,
-                               warm=res.pop("_best_state"))
+                               warm=states[res["best_fixed_width"]])
         out["first_request"][d] = first["rule_tokens_per_s"]
         res["first_request_rule_tokens_per_s"] = float(np.median(first["rule_tokens_per_s"]))
         res["first_request_fixed_tokens_per_s"] = first["fixed_tokens_per_s"]
