@@ -85,22 +85,27 @@ def test_stop_ids_and_max_tokens(models):
 
 
 @pytest.mark.parametrize("verify,width", [("chain", None), ("tree", 16), ("auto", None)])
-def test_rounds_draft_no_more_rows_than_the_request_still_needs(models, verify, width):
-    # a round yields its accepted rows and one pick: near max_tokens the rows past that are
-    # drafted and verified for nothing (the target drafting for itself keeps every row)
+def test_rounds_draft_no_more_rows_than_the_request_can_emit(models, verify, width):
+    # a round emits its accepted rows and one pick: near max_tokens or the context's end the
+    # rows past that are drafted and verified for nothing (the target drafting for itself
+    # keeps every row). max_tokens 100 with the context of 64: the context bounds the end.
     target, root = models
+    small = sapwood.load(root / "target", max_context=64)
+    small.generation_config["eos_token_id"] = []
     p = prompt(20, seed=5)
-    for n in [2, 7, 13, 30]:
+    for n in [2, 7, 13, 30, 100]:
         emitted, deepest = [1], []
 
         def on_round(tree, path, seconds):
-            deepest.append((int(tree.depth.max()), n - emitted[0] - 1))
+            room = small.max_context - (len(p) + emitted[0] - 1)  # the root is not committed
+            deepest.append((int(tree.depth.max()), min(room, n - emitted[0]) - 1))
             emitted[0] += len(path)
 
-        r = target.generate(p, max_tokens=n, verify=verify, width=width,
-                            drafter=str(root / "target"), on_round=on_round)
-        assert r.tokens == target.generate(p, max_tokens=n, verify="off").tokens
-        assert all(depth <= need for depth, need in deepest), (n, deepest)
+        r = small.generate(p, max_tokens=n, verify=verify, width=width,
+                           drafter=str(root / "target"), on_round=on_round)
+        assert r.tokens == target.generate(p, max_tokens=n, verify="off").tokens[:len(r.tokens)]
+        assert r.finish_reason == ("context" if n == 100 else "length")
+        assert all(depth <= can for depth, can in deepest), (n, deepest)
         assert deepest[-1][0] == deepest[-1][1]  # the last round drafts what is left, no less
 
 

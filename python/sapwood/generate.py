@@ -156,7 +156,7 @@ class Decoder:
             return "wide" if self._eligible and self.rule.trees_pay() else "chain"
         return mode
 
-    def _build(self, root: int, mode: str, room: int):
+    def _build(self, root: int, mode: str, room: int, emit: int):
         """This round's tree, whether it is wide, its logits when they were already computed
         (a calibration round) else None, and the tree the acceptance model learns from: the
         grown tree where the round verifies a prefix of it (its other nodes under the path
@@ -175,10 +175,11 @@ class Decoder:
             # a tree of w nodes reaches depth w - 1 at most: rows past it would never be
             # verified (and a row's candidates do not depend on the rows after it)
             rows = min(rows, self.cfg.width - 1)
-        # a round yields its accepted rows and one pick more: rows past what the request still
-        # needs would be drafted and verified for tokens it never emits (replayed, a chain of
-        # 9 rows kept 3 of them in the last round of a 64-token request, at the cost of 9)
-        rows = min(rows, room - 1, self.cfg.max_tokens - self.stats.tokens - 1)
+        # a round emits its accepted rows and one pick more, at most `emit` tokens (the
+        # context's room and what the request still needs): rows past that would be drafted and
+        # verified for nothing (replayed, a chain of 9 rows kept 3 of them in the last round
+        # of a 64-token request, at the cost of 9)
+        rows = min(rows, emit - 1)
         if rows <= 0:
             tree = _root_tree(root)
             return tree, False, None, tree
@@ -260,9 +261,11 @@ class Decoder:
                 t_round = time.perf_counter()
                 self._eligible = False  # set by _mode: an auto round the EMA let go wide
                 mode = self._mode()
-                if mode != "off" and cfg.max_tokens - st.tokens <= 1:
-                    # the request needs one token more: the root's pick, a plain round (timed
-                    # and judged as one, not as a speculative round that kept nothing)
+                emit = min(room, cfg.max_tokens - st.tokens)  # tokens this round may emit
+                if mode != "off" and emit <= 1:
+                    # the root's pick alone (the request's last token, or the context's): a
+                    # plain round, timed and judged as one, not a speculative round that kept
+                    # nothing
                     mode = "plain"
                 if mode in ("off", "plain"):  # the root alone: no tree, no walk
                     tree, wide, calibration = None, False, False
@@ -274,7 +277,7 @@ class Decoder:
                     eng.commit(path)
                     committed = [root]
                 else:
-                    tree, wide, logits, learn_from = self._build(root, mode, room)
+                    tree, wide, logits, learn_from = self._build(root, mode, room, emit)
                     calibration = logits is not None
                     if not calibration:
                         t = time.perf_counter()
