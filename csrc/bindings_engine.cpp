@@ -59,12 +59,16 @@ py::array_t<float> to_array(std::vector<float>&& v, py::ssize_t rows, py::ssize_
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  m.def("available_backends", &available_backends,
+        "The backends this build has: 'cpu', then 'metal', 'metal-emulated', 'sycl', "
+        "'sycl-emulated' as built.");
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
       .def_property_readonly("position", [](const Snapshot& s) { return s.length; });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
-                       const std::string& kv, int max_context, int threads) {
+                       const std::string& kv, int max_context, int threads,
+                       const std::string& backend) {
              ModelDims d = parse_dims(dims);
              std::vector<F32> keep;
              TensorMap t;
@@ -79,10 +83,11 @@ void bind_engine(py::module_& m) {
              WFormat f = parse_wformat(wfmt.c_str());
              KVDtype k = parse_kv_dtype(kv);
              py::gil_scoped_release release;
-             return std::make_unique<Engine>(d, t, f, k, max_context, threads);
+             return std::make_unique<Engine>(d, t, f, k, max_context, threads, 64, backend);
            }),
            py::arg("dims"), py::arg("weights"), py::arg("weights_format") = "q8",
-           py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0)
+           py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0,
+           py::arg("backend") = "cpu")
       .def("prefill", [](Engine& e, py::handle tokens, bool all_logits) {
              std::vector<int> t = as_ints(tokens, "tokens");
              std::vector<float> out;
@@ -170,6 +175,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("max_context", &Engine::max_context)
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.dims().vocab; })
       .def_property_readonly("threads", &Engine::threads)
+      .def_property_readonly("backend", &Engine::backend)
       .def("memory", [](const Engine& e) {
         py::dict d;
         d["weights_bytes"] = e.weight_bytes();

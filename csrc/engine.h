@@ -4,21 +4,16 @@
 #include <memory>
 #include <vector>
 
+#include "backend.h"
 #include "model.h"
 #include "thread_pool.h"
 
 namespace sapwood {
 
-struct Snapshot {
-  int length = 0;
-  std::vector<std::vector<uint8_t>> pages;   // KV page contents, in page-table order
-  std::vector<GDNLayer> gdn;
-};
-
 class Engine {
  public:
   Engine(const ModelDims& dims, const TensorMap& weights, WFormat wfmt, KVDtype kv,
-         int max_context, int threads, int page_size = 64);
+         int max_context, int threads, int page_size = 64, const std::string& backend = "cpu");
 
   // Commit tokens; logits of the last row [V], or of every row [T][V].
   std::vector<float> prefill(const std::vector<int>& tokens, bool all_rows);
@@ -65,11 +60,12 @@ class Engine {
   std::shared_ptr<Snapshot> snapshot() const;
   void restore(const Snapshot& s);
 
-  int position() const { return seq_->length(); }
+  int position() const { return be_->length(); }
   int max_context() const { return max_context_; }
   const ModelDims& dims() const { return dims_; }
   size_t weight_bytes() const { return weights_.bytes(); }
-  size_t kv_bytes() const { return pool_->bytes(); }
+  size_t kv_bytes() const { return be_->kv_bytes(); }
+  const std::string backend() const { return be_->name(); }
   size_t kv_bytes_used() const;
   size_t gdn_state_bytes() const;
   int threads() const { return threads_; }
@@ -90,11 +86,6 @@ class Engine {
   int forward_threads(int rows) const {
     return threads_for((long long)rows * weights_.macs_per_token() / kForwardRegions, threads_);
   }
-  // The GDN layers' committed state into saved_gdn_ and back (a prefill that fails part-way,
-  // a draft chain's roll-back), reusing its buffers: copies into fresh vectors, and the
-  // frees of the old ones, were ~10% of a draft chain's time in malloc (perf, bundled draft).
-  void save_gdn();
-  void restore_gdn();
   void begin_change();  // any change of state: drops the verify tape and the kept draft
   // Waits for commit's background fold: first thing in every method that touches gdn_.
   void join_fold() const;
@@ -103,16 +94,11 @@ class Engine {
   ModelDims dims_;
   ModelWeights weights_;
   int max_context_, threads_;
-  Forward fwd_;  // its activation buffers live as long as the engine
-  std::shared_ptr<KVPagePool> pool_;
-  std::unique_ptr<KVSequence> seq_;
-  std::vector<GDNLayer> gdn_;
-  std::vector<KVTape> tape_;
+  Forward fwd_;
+  std::unique_ptr<Backend> be_;     // the committed state and the ops of the forward
   std::vector<int> tape_parents_;   // empty: no verify to commit
-  std::vector<GDNLayer::Committed> saved_gdn_;  // save_gdn()
-  std::vector<int> draft_tokens_;   // the last draft chain's processed tokens, and
-  std::vector<std::vector<GDNLayer::Token>> draft_gdn_;  // each one's token per GDN layer
-                                                          // (rows past draft_tokens_: spare)
+  std::vector<int> draft_tokens_;   // the last draft chain's processed tokens; row r's GDN
+  int draft_prefix_ = 0;            // token is the backend's kept slot draft_prefix_ + r
 };
 
 }  // namespace sapwood

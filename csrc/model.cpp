@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "common.h"
-#include "kernels/kernels.h"
+#include "backend.h"
 
 namespace sapwood {
 
@@ -65,23 +65,6 @@ QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WF
   return m;
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
-
-// Rotate-half RoPE on the first rot dims of each head, by the row's (cos, sin) pairs (rope_cs_).
-void rope(float* x, int heads, int head_dim, int rot, const float* cs) {
-  const int half = rot / 2;
-  for (int i = 0; i < half; ++i) {
-    const float c = cs[2 * i], s = cs[2 * i + 1];
-    for (int h = 0; h < heads; ++h) {
-      float* xh = x + size_t(h) * head_dim;
-      const float a = xh[i], b = xh[i + half];
-      xh[i] = a * c - b * s;
-      xh[i + half] = b * c + a * s;
-    }
-  }
-}
-
 }  // namespace
 
 ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
@@ -127,114 +110,57 @@ ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   return w;
 }
 
-void Forward::mm(const float* x, int n,
-                 std::initializer_list<std::pair<const QMatrix*, float*>> outs) {
-  // One quantization of x and one parallel region for every matrix that reads it (qkv|z,
-  // gate|up, q|k|v): one hand-off and one tail instead of one per matrix. Bundled target,
-  // medians of 4 alternated processes: one-token verify 390 -> 360 us, 9 nodes 1104 -> 1070;
-  // realistic 0.66B decode step 26.2 -> 25.4 ms.
-  SW_CHECK(outs.size() >= 1 && outs.size() <= size_t(kMaxMatmuls), "1 to ", kMaxMatmuls,
-           " matrices a region, got ", outs.size());
-  const QMatrix& w = *outs.begin()->first;
-  if (w.fmt == WFormat::Q8 || w.fmt == WFormat::Q4) acts_.quantize(x, n, w.cols, w.cols_pad);
-  MatmulProblem pbs[kMaxMatmuls];
-  int count = 0;
-  for (const auto& [wi, y] : outs) pbs[count++] = MatmulProblem{wi, x, &acts_, n, y};
-  kernels().matmul(pbs, count, threads_);
-}
-
-void Forward::gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out) {
+void Forward::gdn_mixer(Backend& be, int l, int gi, Act h, const BatchLayout& lay, Act out) {
   const LayerWeights& L = w_.layers[l];
   const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
-  float *qkv = buf(kQKV, size_t(n) * C), *z = buf(kZ, size_t(n) * V);
-  float* ba = buf(kBA, size_t(n) * 2 * hv);
-  mm(h, n, {{&L.qkv, qkv}, {&L.ba, ba}, {&L.z, z}});  // ba: f32, always
-  float *beta = buf(kBeta, size_t(n) * hv), *gdec = buf(kDecay, size_t(n) * hv);
-  float* o = buf(kO, size_t(n) * V);
-  for (int i = 0; i < n; ++i)
-    for (int j = 0; j < hv; ++j) {
-      beta[size_t(i) * hv + j] = sigmoid(ba[size_t(i) * 2 * hv + j]);
-      gdec[size_t(i) * hv + j] =
-          L.neg_exp_a[j] * softplus(ba[size_t(i) * 2 * hv + hv + j] + L.dt_bias[j]);
-    }
-  if (lay.prefill)
-    g.prefill(qkv, gdec, beta, n, o, threads_);
-  else
-    g.verify(qkv, gdec, beta, lay.parents.data(), n, o, threads_);
+  Act qkv = be.scratch(kQKV, size_t(n) * C), z = be.scratch(kZ, size_t(n) * V);
+  Act ba = be.scratch(kBA, size_t(n) * 2 * hv);
+  be.matmul(h, n, {{&L.qkv, qkv}, {&L.ba, ba}, {&L.z, z}});  // ba: f32, always
+  Act beta = be.scratch(kBeta, size_t(n) * hv), gdec = be.scratch(kDecay, size_t(n) * hv);
+  be.gdn_gates(ba, n, hv, L.neg_exp_a, L.dt_bias, beta, gdec);
+  Act o = be.scratch(kO, size_t(n) * V);
+  be.gdn(gi, qkv, gdec, beta, lay, o);
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
   // (gnorm * (o * inv)) * silu(z) == silu(z) * ((o * inv) * gnorm): products commute, bits
   // unchanged; silu_mul writes the gate's product over the normed o
-  kernels().rms_norm(o, L.gnorm.data(), n * hv, dv, d_.eps, o);
-  kernels().silu_mul(z, o, o, size_t(n) * V);
-  mm(o, n, {{&L.out, out}});
+  be.rms_norm(o, L.gnorm, n * hv, dv, d_.eps, o);
+  be.silu_mul(z, o, o, size_t(n) * V);
+  be.matmul(o, n, {{&L.out, out}});
 }
 
-void Forward::attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
-                         KVTape& tape, float* out) {
+void Forward::attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& lay, Act out) {
   const LayerWeights& L = w_.layers[l];
   const int n = lay.n, D = d_.head_dim, Hq = d_.n_heads, Hkv = d_.n_kv_heads;
   const size_t nq = size_t(n) * Hq * D;
-  float *qg = buf(kQG, 2 * nq), *q = buf(kQ, nq), *gate = buf(kAttGate, nq);
-  tape.k.resize(size_t(n) * Hkv * D);
-  tape.v.resize(size_t(n) * Hkv * D);
-  mm(h, n, {{&L.q, qg}, {&L.k, tape.k.data()}, {&L.v, tape.v.data()}});
-  for (int i = 0; i < n; ++i)
-    for (int hh = 0; hh < Hq; ++hh) {  // per head [q | gate]
-      const float* src = qg + (size_t(i) * Hq + hh) * 2 * D;
-      std::copy(src, src + D, q + (size_t(i) * Hq + hh) * D);
-      std::copy(src + D, src + 2 * D, gate + (size_t(i) * Hq + hh) * D);
-    }
+  Act qg = be.scratch(kQG, 2 * nq), q = be.scratch(kQ, nq), gate = be.scratch(kAttGate, nq);
+  Act k = be.kv_rows(a, n, false), v = be.kv_rows(a, n, true);
+  be.matmul(h, n, {{&L.q, qg}, {&L.k, k}, {&L.v, v}});
+  be.split_q_gate(qg, n, Hq, D, q, gate);
   // every head of every row in one call each, so that their norms' chains run side by side
-  // (a call per head ran one 64-long fmaf chain at a time)
-  kernels().rms_norm(q, L.q_norm.data(), n * Hq, D, d_.eps, q);
-  kernels().rms_norm(tape.k.data(), L.k_norm.data(), n * Hkv, D, d_.eps, tape.k.data());
-  const int half = d_.rotary_dim / 2;
-  for (int i = 0; i < n; ++i) {
-    const float* cs = rope_cs_.data() + size_t(i) * 2 * half;
-    rope(q + size_t(i) * Hq * D, Hq, D, d_.rotary_dim, cs);
-    rope(tape.k.data() + size_t(i) * Hkv * D, Hkv, D, d_.rotary_dim, cs);
-  }
-  float *kt = nullptr, *vt = nullptr;  // the tree rows' keys and values (verify only)
-  if (lay.prefill) {
-    // The rows are positions hist_len - n .. hist_len - 1, committed as they go: their keys
-    // and values are written to pages first and read back from there like any history.
-    const int start = lay.hist_len - n;
-    for (int i = 0; i < n; ++i)
-      seq.write(start + i, a, tape.k.data() + size_t(i) * Hkv * D, tape.v.data() + size_t(i) * Hkv * D);
-  } else {
-    // Tree rows see each other's keys as the cache will hold them: int8-roundtripped.
-    const KVDtype dt = seq.pool().dtype();
-    kt = buf(kKT, tape.k.size());
-    vt = buf(kVT, tape.v.size());
-    for (size_t r = 0; r < size_t(n) * Hkv; ++r) {
-      kv_roundtrip(tape.k.data() + r * D, D, dt, kt + r * D);
-      kv_roundtrip(tape.v.data() + r * D, D, dt, vt + r * D);
-    }
-  }
-  float* att = buf(kAtt, nq);
-  AttnProblem pb{n, Hq, Hkv, D, q, att, lay.row_len.data(), lay.hist_len, &seq,
-                 a, kt, vt, lay.anc.data(), lay.anc_stride, kAttnSplit,
-                 1.0f / std::sqrt(float(D))};
-  kernels().tree_attention(pb, threads_);
-  kernels().sigmoid_mul(gate, att, att, nq);
-  mm(att, n, {{&L.o, out}});
+  be.rms_norm(q, L.q_norm, n * Hq, D, d_.eps, q);
+  be.rms_norm(k, L.k_norm, n * Hkv, D, d_.eps, k);
+  Act cs = be.scratch(kRope, rope_cs_.size());
+  be.rope(q, n, Hq, D, d_.rotary_dim, cs);
+  be.rope(k, n, Hkv, D, d_.rotary_dim, cs);
+  Act att = be.scratch(kAtt, nq);
+  be.attend(a, q, lay, att);
+  be.sigmoid_mul(gate, att, att, nq);
+  be.matmul(att, n, {{&L.o, out}});
 }
 
 }  // namespace sapwood
 
 namespace sapwood {
 
-void Forward::run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
-                  std::vector<GDNLayer>& gdn, std::vector<KVTape>& tape, int logit_from,
+void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
                   std::vector<float>* logits) {
   const int n = lay.n, H = d_.hidden, I = d_.inter;
   const size_t nh = size_t(n) * H, ni = size_t(n) * I;
-  float *x = buf(kX, nh), *h = buf(kH, nh), *mix = buf(kMix, nh);
-  for (int i = 0; i < n; ++i) w_.embed.dequant_row(tokens[i], x + size_t(i) * H);
-  float *g = buf(kGate, ni), *u = buf(kUp, ni);
+  Act x = be.scratch(kX, nh), h = be.scratch(kH, nh), mix = be.scratch(kMix, nh);
+  be.embed(w_.embed, tokens, n, x);
+  Act g = be.scratch(kGate, ni), u = be.scratch(kUp, ni);
   // RoPE's (cos, sin) per row and frequency, once a forward rather than per head set and
-  // attention layer (in double from the position, as before: the same bits). 36 angle sets of
-  // libm pow/cos/sin in a 9-node verify of the bundled target became 9.
+  // attention layer (in double from the position, as before: the same bits).
   const int half = d_.rotary_dim / 2;
   rope_cs_.resize(size_t(n) * 2 * half);
   for (int f = 0; d_.n_attn() > 0 && f < half; ++f) {
@@ -245,28 +171,29 @@ void Forward::run(const int* tokens, const BatchLayout& lay, KVSequence& seq,
       rope_cs_[(size_t(i) * half + f) * 2 + 1] = float(std::sin(ang));
     }
   }
+  if (d_.n_attn() > 0 && half > 0) be.upload(be.scratch(kRope, rope_cs_.size()), rope_cs_.data(), rope_cs_.size());
   int a = 0, gi = 0;
   for (int l = 0; l < d_.n_layers(); ++l) {
     const LayerWeights& L = w_.layers[l];
-    kernels().rms_norm(x, L.in_norm.data(), n, H, d_.eps, h);
-    if (d_.is_attn[l]) {
-      attn_mixer(l, a, h, lay, seq, tape[a], mix);
-      ++a;
-    } else {
-      gdn_mixer(l, gdn[gi++], h, lay, mix);
-    }
-    for (size_t i = 0; i < nh; ++i) x[i] += mix[i];
-    kernels().rms_norm(x, L.post_norm.data(), n, H, d_.eps, h);
-    mm(h, n, {{&L.gate, g}, {&L.up, u}});
-    kernels().silu_mul(g, u, g, ni);
-    mm(g, n, {{&L.down, mix}});
-    for (size_t i = 0; i < nh; ++i) x[i] += mix[i];
+    be.rms_norm(x, L.in_norm, n, H, d_.eps, h);
+    if (d_.is_attn[l])
+      attn_mixer(be, l, a++, h, lay, mix);
+    else
+      gdn_mixer(be, l, gi++, h, lay, mix);
+    be.add(x, mix, nh);
+    be.rms_norm(x, L.post_norm, n, H, d_.eps, h);
+    be.matmul(h, n, {{&L.gate, g}, {&L.up, u}});
+    be.silu_mul(g, u, g, ni);
+    be.matmul(g, n, {{&L.down, mix}});
+    be.add(x, mix, nh);
   }
   const int m = n - logit_from;
-  kernels().rms_norm(x + size_t(logit_from) * H, w_.final_norm.data(), m, H, d_.eps, h);
+  be.rms_norm(x + size_t(logit_from) * H, w_.final_norm, m, H, d_.eps, h);
+  Act y = be.scratch(kLogits, size_t(m) * d_.vocab);
+  be.matmul(h, m, {{&w_.head(), y}});
   const size_t at = logits->size();
   logits->resize(at + size_t(m) * d_.vocab);
-  mm(h, m, {{&w_.head(), logits->data() + at}});
+  be.download(y, size_t(m) * d_.vocab, logits->data() + at);
 }
 
 }  // namespace sapwood

@@ -13,6 +13,10 @@
 #include "weights.h"
 
 namespace sapwood {
+struct Act;
+}
+
+namespace sapwood {
 
 struct ModelDims {
   int vocab = 0, hidden = 0, inter = 0;
@@ -71,45 +75,31 @@ struct BatchLayout {
   bool prefill = false;   // rows are a chain committed as they go (K/V written to pages first)
 };
 
-// Per-attention-layer K/V of the rows of the last forward (for commit), f32 [n][Hkv][D].
-struct KVTape {
-  std::vector<float> k, v;
-};
+class Backend;
 
+// The forward pass of DESIGN.md, written once over the backend's op list and state.
 class Forward {
  public:
-  Forward(const ModelDims& d, const ModelWeights& w, int threads) : d_(d), w_(w), threads_(threads) {}
+  Forward(const ModelDims& d, const ModelWeights& w) : d_(d), w_(w) {}
   Forward(const Forward&) = delete;  // holds its engine's dims and weights by reference
   Forward& operator=(const Forward&) = delete;
-  void set_threads(int threads) { threads_ = threads; }
   // Runs the rows through every layer and appends the logits of rows [logit_from, n)
   // ([n - logit_from][V]) to *logits: a draft chain collects its rows in one buffer.
-  void run(const int* tokens, const BatchLayout& lay, KVSequence& seq, std::vector<GDNLayer>& gdn,
-           std::vector<KVTape>& tape, int logit_from, std::vector<float>* logits);
+  void run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
+           std::vector<float>* logits);
+
+  // Activations, kept by the backend from one forward to the next (an engine runs one at a
+  // time; fresh buffers per forward cost malloc, free and zeroing); every buffer is written in
+  // full before it is read.
+  enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate,
+             kAtt, kRope, kLogits, kBufs };
 
  private:
-  // y = x W^T for each (W, y): matrices that read the same x share one parallel region
-  void mm(const float* x, int n,
-          std::initializer_list<std::pair<const QMatrix*, float*>> outs);
-  void gdn_mixer(int l, GDNLayer& g, const float* h, const BatchLayout& lay, float* out);
-  void attn_mixer(int l, int a, const float* h, const BatchLayout& lay, KVSequence& seq,
-                  KVTape& tape, float* out);
+  void gdn_mixer(Backend& be, int l, int g, Act h, const BatchLayout& lay, Act out);
+  void attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& lay, Act out);
 
   const ModelDims& d_;
   const ModelWeights& w_;
-  int threads_;
-  // Activations, kept from one forward to the next (an engine runs one at a time): a forward
-  // allocated ~17 vectors a layer, and malloc, free and the zeroing of fresh memory were ~10% of
-  // a bundled draft row's samples in perf (callgrind, 20 drafts of 8 rows: 139.5M -> 136.8M
-  // instructions). Every buffer is written in full before it is read.
-  enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate, kKT,
-             kVT, kAtt, kBufs };
-  float* buf(Buf b, size_t n) {
-    if (bufs_[b].size() < n) bufs_[b].resize(n);
-    return bufs_[b].data();
-  }
-  std::vector<float> bufs_[kBufs];
-  QActs acts_;
   std::vector<float> rope_cs_;  // this forward's RoPE (cos, sin): [row][rotary_dim / 2][2]
 };
 
