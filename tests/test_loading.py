@@ -245,7 +245,7 @@ def test_load_hands_engine_contract(ckpt, fake_engine):
     (ckpt / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": "{{ messages }}"}))
     m = sapwood.load(ckpt, weights="q4", kv="f32", max_context=128)
     dims, weights, *rest = m.engine.args
-    assert dims == engine_dims(m.config) and rest == ["q4", "f32", 128, 0]  # threads None -> 0
+    assert dims == engine_dims(m.config) and rest == ["q4", "f32", 128, 0, "cpu"]  # threads None -> 0; auto -> cpu here
     assert list(weights) == list(expected_shapes(m.config))
     for n, x in weights.items():
         assert x.dtype == np.float32 and x.flags.c_contiguous, n
@@ -254,7 +254,7 @@ def test_load_hands_engine_contract(ckpt, fake_engine):
     assert m.decode(m.encode(text := "<|im_start|>user\nhello, world<|im_end|>")) == text
     (ckpt / "chat_template.jinja").write_text("jinja wins")
     m = sapwood.load(ckpt, threads=3)
-    assert m.chat_template == "jinja wins" and m.engine.args[-1] == 3
+    assert m.chat_template == "jinja wins" and m.engine.args[5] == 3
     for f in ("tokenizer.json", "generation_config.json"):  # both optional
         (ckpt / f).unlink()
     m = sapwood.load(ckpt)

@@ -1,8 +1,8 @@
 """sapwood: speculative decoding with tree verification for hybrid linear-attention LLMs."""
 from . import _core
 from ._core import InputError, CapacityError
-from .loading import load
+from .loading import available_backends, load
 from .model import Model
 
 __version__ = "0.1.0"
-__all__ = ["InputError", "CapacityError", "load", "Model"]
+__all__ = ["InputError", "CapacityError", "available_backends", "load", "Model"]

@@ -13,6 +13,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", default="int8", choices=["int8", "f32"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--backend", default="auto",
+                   help="auto (Metal on Apple silicon, else cpu), cpu, metal, metal-emulated")
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,7 @@ def cmd_generate(a) -> int:
     import sapwood
 
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
-    model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
+    model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads, backend=a.backend,
                          max_context=a.max_context)
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               min_p=a.min_p, seed=a.seed, drafter=a.drafter, verify=a.verify, width=a.width,

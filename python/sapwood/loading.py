@@ -19,8 +19,31 @@ from .safetensors_io import load_checkpoint_weights
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 KV_FORMATS = ("int8", "f32")
-BACKENDS = ("cpu",)                      # built in this install
-KNOWN_BACKENDS = ("metal", "sycl", "cuda")  # exist in the design, not (yet) built here
+# Every backend sapwood knows, and what a user does to get one this install lacks.
+KNOWN_BACKENDS = {
+    "cpu": "",
+    "metal": "it needs macOS on Apple silicon with Xcode's command-line tools (xcrun metal) "
+             "when sapwood is built: reinstall there with `pip install --no-binary sapwood sapwood`",
+    "metal-emulated": "rebuild sapwood from source (`pip install .`)",
+    "sycl": "it needs a SYCL compiler (icpx or acpp) on PATH when sapwood is built; not built yet",
+    "sycl-emulated": "the SYCL device layer is not built yet",
+    "cuda": "the CUDA backend is not built yet",
+}
+
+
+def available_backends() -> tuple:
+    """The backends this install has ("cpu" first)."""
+    return tuple(_core.available_backends())
+
+
+def resolve_backend(backend: str) -> str:
+    """"auto" -> Metal on Apple silicon when built, else the CPU; any other name as given."""
+    if backend != "auto":
+        return backend
+    import platform
+    if platform.system() == "Darwin" and platform.machine() == "arm64" and "metal" in available_backends():
+        return "metal"
+    return "cpu"
 
 
 def check_args(weights, kv, backend, threads, max_context) -> None:
@@ -28,11 +51,13 @@ def check_args(weights, kv, backend, threads, max_context) -> None:
         raise ValueError(f"weights={weights!r}: must be one of {', '.join(WEIGHT_FORMATS)}")
     if kv not in KV_FORMATS:
         raise ValueError(f"kv={kv!r}: must be one of {', '.join(KV_FORMATS)}")
-    if backend in KNOWN_BACKENDS:
-        raise ValueError(f"backend={backend!r} is not built in this install "
-                         f"(available: {', '.join(BACKENDS)})")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: unknown backend (available: {', '.join(BACKENDS)})")
+    have = available_backends()
+    if not isinstance(backend, str) or backend not in KNOWN_BACKENDS:
+        raise ValueError(f"backend={backend!r}: unknown backend (known: auto, {', '.join(KNOWN_BACKENDS)}; "
+                         f"this install has: {', '.join(have)})")
+    if backend not in have:
+        raise ValueError(f"backend={backend!r} is not built in this install (it has: {', '.join(have)}): "
+                         f"{KNOWN_BACKENDS[backend]}")
     # bool is an int subclass; True as a thread count or context length is a caller mistake
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
         raise ValueError(f"threads={threads!r}: must be None (engine default) or an int >= 0")
@@ -164,7 +189,7 @@ def default_target_path() -> Path:
     return _bundled("target")
 
 
-def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", threads=None,
+def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
          max_context: int = 4096) -> Model:
     """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`;
     "default" loads the bundled target with its draft model attached.
@@ -173,7 +198,11 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", t
     kv: "int8" (paged int8 KV cache, the default) or "f32".
     threads: engine worker threads; None lets the engine choose.
     max_context: the most tokens a sequence may hold (prompt + generated + tree).
+    backend: "auto" (Metal on Apple silicon when built, else "cpu"), "cpu", "metal",
+    "metal-emulated" (the Metal kernels run on the CPU by the emulator: slow, for tests and
+    kernel ports); available_backends() lists what this install has.
     """
+    backend = resolve_backend(backend)
     check_args(weights, kv, backend, threads, max_context)
     if isinstance(path, str) and path == "default":  # the bundled pair: target + attached draft
         model = load(_bundled("target"), weights=weights, kv=kv, backend=backend,
@@ -185,6 +214,6 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "cpu", t
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
     engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
-                          0 if threads is None else threads)
+                          0 if threads is None else threads, backend)
     return Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
                  weights=weights, kv=kv, backend=backend, max_context=max_context)
