@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -289,3 +290,24 @@ class GDN:
         s = self.state
         self.state, self.tape, self.window = saved
         return s
+
+
+# ---- the device layer (csrc/gpu/device.h) through _core.gpu_run ----
+
+def pack(*fields) -> bytes:
+    """A parameter block of metal/sw_common.h: Python ints as int32, floats as float32, in order
+    (every block there is plain 4-byte fields, so there is no padding)."""
+    return b"".join(struct.pack("<f" if isinstance(v, float) else "<i", v) for v in fields)
+
+
+def devices() -> list[str]:
+    """The GPU devices this build of _core has ("metal-emulated" everywhere, "metal" on a Mac)."""
+    from sapwood import _core
+    return _core.gpu_devices()
+
+
+def run(device, kernel, args, groups, threads, threadgroup_bytes=()):
+    """One dispatch and wait: args[i] is [[buffer(i)]] (arrays are written back in place)."""
+    from sapwood import _core
+    groups = [groups] if isinstance(groups, int) else list(groups)
+    _core.gpu_run(device, kernel, list(args), groups, threads, list(threadgroup_bytes))

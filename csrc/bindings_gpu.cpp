@@ -1,0 +1,159 @@
+// The GPU device layer's factory (csrc/gpu/device.h) and a test hook into it: _core.gpu_devices()
+// names the devices this build has, _core.gpu_run() runs one kernel on one of them with numpy
+// arrays as buffers, so the Python tests drive any kernel on any device present (the emulated
+// Metal device everywhere, the real one on a Mac) against the numpy oracles.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "../emu/emu_device.hpp"
+#include "common.h"
+#include "gpu/device.h"
+#if defined(SAPWOOD_HAS_METAL)
+#include "../metal/metal_device.h"
+#endif
+
+namespace py = pybind11;
+
+namespace sapwood::gpu {
+
+std::vector<std::string> available_devices() {
+  std::vector<std::string> out;
+#if defined(SAPWOOD_HAS_METAL)
+  if (metal_device_present()) out.push_back("metal");
+#endif
+  out.push_back("metal-emulated");
+  return out;
+}
+
+std::unique_ptr<Device> make_device(const std::string& name) {
+  if (name == "metal-emulated") return make_emulated_metal_device();
+  if (name == "metal") {
+#if defined(SAPWOOD_HAS_METAL)
+    return make_metal_device();
+#else
+    throw std::runtime_error(
+        "device 'metal' is not in this build: it needs macOS with the Xcode command-line tools "
+        "(xcrun metal); reinstall there with `pip install .`");
+#endif
+  }
+  if (name == "sycl" || name == "sycl-emulated")
+    throw std::runtime_error("device '" + name + "' is not in this build (the SYCL device layer is not built yet)");
+  std::string known;
+  for (const std::string& d : available_devices()) known += (known.empty() ? "" : ", ") + d;
+  throw std::runtime_error("unknown GPU device '" + name + "'; this build has: " + known);
+}
+
+}  // namespace sapwood::gpu
+
+namespace {
+
+using sapwood::InputError;
+using sapwood::cat;
+namespace gpu = sapwood::gpu;
+
+// One device per name, alive across calls (a real device keeps its library and pipelines).
+gpu::Device& device(const std::string& name) {
+  static std::mutex m;
+  static std::map<std::string, std::unique_ptr<gpu::Device>> devices;
+  std::lock_guard<std::mutex> lock(m);
+  auto& d = devices[name];
+  if (!d) {
+    try {
+      d = gpu::make_device(name);
+    } catch (const std::runtime_error& e) {
+      devices.erase(name);
+      throw InputError(e.what());
+    }
+  }
+  return *d;
+}
+
+// Buffers of one call, released however the call ends.
+struct Buffers {
+  gpu::Device& dev;
+  std::vector<gpu::Buffer> bufs;
+  ~Buffers() {
+    for (gpu::Buffer& b : bufs) dev.release(b);
+  }
+};
+
+void gpu_run(const std::string& dev_name, const std::string& kernel, py::list args, std::vector<int64_t> groups,
+             int threads, std::vector<int64_t> threadgroup_bytes) {
+  gpu::Device& dev = device(dev_name);
+  SW_CHECK(!groups.empty() && groups.size() <= 3, kernel, ": groups must have 1 to 3 entries, got ", groups.size());
+  gpu::Launch l;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    SW_CHECK(groups[i] >= 0 && groups[i] <= INT32_MAX, kernel, ": groups[", i, "] = ", groups[i], " out of range");
+    l.groups[i] = uint32_t(groups[i]);
+  }
+  l.threads = threads;
+  for (size_t i = 0; i < threadgroup_bytes.size(); ++i) {
+    SW_CHECK(threadgroup_bytes[i] >= 0, kernel, ": threadgroup_bytes[", i, "] = ", threadgroup_bytes[i], " < 0");
+    l.threadgroup_bytes.push_back(size_t(threadgroup_bytes[i]));
+  }
+  Buffers held{dev, {}};
+  held.bufs.reserve(args.size());
+  std::vector<std::string> blocks;  // constant blocks (bytes objects)
+  blocks.reserve(args.size());
+  std::vector<py::array> arrays(args.size());
+  std::vector<int> buf_of(args.size(), -1);
+  for (size_t i = 0; i < args.size(); ++i) {
+    py::handle a = args[i];
+    if (py::isinstance<py::bytes>(a)) {
+      blocks.push_back(a.cast<std::string>());
+      SW_CHECK(!blocks.back().empty(), kernel, ": args[", i, "] is an empty constant block");
+    } else if (py::isinstance<py::array>(a)) {
+      py::array arr = py::reinterpret_borrow<py::array>(a);
+      SW_CHECK(arr.flags() & py::array::c_style, kernel, ": args[", i, "] must be C-contiguous");
+      arrays[i] = arr;
+      buf_of[i] = int(held.bufs.size());
+      held.bufs.push_back(dev.alloc(size_t(arr.nbytes())));
+      if (arr.nbytes()) std::memcpy(held.bufs.back().host, arr.data(), size_t(arr.nbytes()));
+    } else {
+      throw InputError(cat(kernel, ": args[", i, "] must be a numpy array (a buffer) or bytes (a constant "
+                                   "block), got ", std::string(py::str(py::type::handle_of(a)))));
+    }
+  }
+  std::vector<gpu::Arg> bound;
+  for (size_t i = 0, c = 0; i < args.size(); ++i) {
+    if (buf_of[i] >= 0) {
+      bound.push_back(gpu::Arg::of(held.bufs[size_t(buf_of[i])]));
+    } else {
+      const std::string& b = blocks[c++];
+      bound.push_back(gpu::Arg{nullptr, 0, b.data(), b.size()});
+    }
+  }
+  {
+    py::gil_scoped_release release;
+    const void* p = dev.pipeline(kernel);
+    dev.dispatch(p, bound, l);
+    dev.wait();
+  }
+  for (size_t i = 0; i < args.size(); ++i)  // outputs come back in place; read-only arrays are inputs
+    if (buf_of[i] >= 0 && arrays[i].writeable() && arrays[i].nbytes())
+      std::memcpy(arrays[i].mutable_data(), held.bufs[size_t(buf_of[i])].host, size_t(arrays[i].nbytes()));
+}
+
+}  // namespace
+
+void bind_gpu(py::module_& m) {
+  m.def("gpu_devices", &gpu::available_devices, "The GPU devices this build has (csrc/gpu/device.h).");
+  m.def("gpu_run", &gpu_run, py::arg("device"), py::arg("kernel"), py::arg("args"), py::arg("groups"),
+        py::arg("threads"), py::arg("threadgroup_bytes") = std::vector<int64_t>{},
+        "Run one kernel: args[i] is [[buffer(i)]], a numpy array (copied to a device buffer and back, "
+        "so outputs land in place) or bytes (a constant block); groups are threadgroups per grid "
+        "(1 to 3 dims), threads per threadgroup, threadgroup_bytes[i] sizes [[threadgroup(i)]]. "
+        "Errors name the kernel.");
+  m.def("gpu_emulated_kernels", [] {
+    std::map<std::string, std::string> out;
+    for (const auto& [name, kinds] : gpu::emulated_metal_kernels()) out[name] = kinds;
+    return out;
+  }, "The emulated Metal device's registry: kernel name -> one letter per parameter (b buffer, "
+     "t threadgroup memory, g/i/l/s/n the position built-ins; emu/emu_device.hpp).");
+}

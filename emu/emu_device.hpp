@@ -1,0 +1,23 @@
+// The emulated Metal device (emu/metal_device.cpp): sapwood::gpu::Device on host memory, running
+// the unmodified metal/*.metal kernels under the fiber scheduler (fiber.hpp). Declared here so
+// that code outside the emulator's translation unit never sees metal_shim.hpp's macros.
+#pragma once
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu/device.h"
+
+namespace sapwood::gpu {
+
+std::unique_ptr<Device> make_emulated_metal_device();
+
+// Every kernel the emulated device knows, with its binding signature: one letter per kernel
+// parameter, in order. b: [[buffer(i)]] (i counts the b's before it), t: [[threadgroup(i)]],
+// g: threadgroup_position_in_grid, i: thread_index_in_threadgroup, l: thread_index_in_simdgroup,
+// s: simdgroup_index_in_threadgroup, n: simdgroups_per_threadgroup. (Tests compare these with
+// the .metal sources.)
+std::vector<std::pair<std::string, std::string>> emulated_metal_kernels();
+
+}  // namespace sapwood::gpu
