@@ -109,6 +109,10 @@ void gpu_run(const std::string& dev_name, const std::string& kernel, py::list ar
       blocks.push_back(a.cast<std::string>());
       SW_CHECK(!blocks.back().empty(), kernel, ": args[", i, "] is an empty constant block");
     } else if (py::isinstance<py::array>(a)) {
+      bool again = false;  // the same array twice is one buffer bound twice (in-place ops)
+      for (size_t j = 0; j < i && !again; ++j)
+        if (buf_of[j] >= 0 && args[j].ptr() == a.ptr()) buf_of[i] = buf_of[j], again = true;
+      if (again) continue;
       py::array arr = py::reinterpret_borrow<py::array>(a);
       SW_CHECK(arr.flags() & py::array::c_style, kernel, ": args[", i, "] must be C-contiguous");
       arrays[i] = arr;
@@ -136,7 +140,7 @@ void gpu_run(const std::string& dev_name, const std::string& kernel, py::list ar
     dev.wait();
   }
   for (size_t i = 0; i < args.size(); ++i)  // outputs come back in place; read-only arrays are inputs
-    if (buf_of[i] >= 0 && arrays[i].writeable() && arrays[i].nbytes())
+    if (buf_of[i] >= 0 && arrays[i] && arrays[i].writeable() && arrays[i].nbytes())
       std::memcpy(arrays[i].mutable_data(), held.bufs[size_t(buf_of[i])].host, size_t(arrays[i].nbytes()));
 }
 
@@ -147,7 +151,7 @@ void bind_gpu(py::module_& m) {
   m.def("gpu_run", &gpu_run, py::arg("device"), py::arg("kernel"), py::arg("args"), py::arg("groups"),
         py::arg("threads"), py::arg("threadgroup_bytes") = std::vector<int64_t>{},
         "Run one kernel: args[i] is [[buffer(i)]], a numpy array (copied to a device buffer and back, "
-        "so outputs land in place) or bytes (a constant block); groups are threadgroups per grid "
+        "so outputs land in place; the same array object twice binds one buffer twice) or bytes (a constant block); groups are threadgroups per grid "
         "(1 to 3 dims), threads per threadgroup, threadgroup_bytes[i] sizes [[threadgroup(i)]]. "
         "Errors name the kernel.");
   m.def("gpu_emulated_kernels", [] {

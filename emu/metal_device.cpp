@@ -27,6 +27,9 @@
 #include "tree_attention.metal"
 #include "gdn.metal"
 #include "q8_matmul.metal"
+#include "matmul.metal"
+#include "elementwise.metal"
+#include "rows.metal"
 
 namespace {
 
@@ -120,6 +123,24 @@ const std::vector<Kernel>& registry() {
       SW_KERNEL(gdn_window, "bbbbbgi")
       SW_KERNEL(q8_quantize_rows, "bbbbtgilsn")
       SW_KERNEL(q8_matmul, "bbbbbbglsn")
+      SW_KERNEL(q4_matmul, "bbbbbbglsn")
+      SW_KERNEL(matmul_f32, "bbbbglsn")
+      SW_KERNEL(matmul_bf16, "bbbbglsn")
+      SW_KERNEL(embed_rows_f32, "bbbbgin")
+      SW_KERNEL(embed_rows_bf16, "bbbbgin")
+      SW_KERNEL(embed_rows_q8, "bbbbbgin")
+      SW_KERNEL(embed_rows_q4, "bbbbbgin")
+      SW_KERNEL(add_inplace, "bbbgin")
+      SW_KERNEL(silu_mul, "bbbbgin")
+      SW_KERNEL(sigmoid_mul, "bbbbgin")
+      SW_KERNEL(split_q_gate, "bbbbgin")
+      SW_KERNEL(rope, "bbbgin")
+      SW_KERNEL(gdn_gates, "bbbbbbgin")
+      SW_KERNEL(gather_rows, "bbbbgin")
+      SW_KERNEL(rms_norm, "bbbbgiln")
+      SW_KERNEL(argmax_rows, "bbbttgilsn")
+      SW_KERNEL(logsumexp_rows, "bbbtgilsn")
+      SW_KERNEL(top_k_rows, "bbbbbttgilsn")
   };
   return r;
 }

@@ -75,6 +75,7 @@ using char4 = vec<signed char, 4>;
 // ---- math: float versions of what the shaders call (libm semantics, round-to-nearest; the
 // compiler builtins avoid parsing <cmath>) ----
 inline float exp(float x) { return __builtin_expf(x); }
+inline float log(float x) { return __builtin_logf(x); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float rint(float x) { return __builtin_nearbyintf(x); }  // ties to even, like MSL rint
 inline float sqrt(float x) { return __builtin_sqrtf(x); }
@@ -87,6 +88,13 @@ inline int min(int a, int b) { return b < a ? b : a; }
 inline float clamp(float x, float lo, float hi) { return min(max(x, lo), hi); }
 inline float select(float a, float b, bool c) { return c ? b : a; }
 inline int select(int a, int b, bool c) { return c ? b : a; }
+// as_type<T>(x): the bits of x as a T of the same size (bf16 bits -> float).
+template <class T, class U> inline T as_type(U x) {
+  static_assert(sizeof(T) == sizeof(U), "as_type between types of different sizes");
+  T t;
+  __builtin_memcpy(&t, &x, sizeof t);
+  return t;
+}
 
 // ---- synchronisation ----
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };

@@ -19,6 +19,10 @@ enum {
   SW_GDN_THREADS_W = 256,  // threads per gdn_window threadgroup
   SW_Q8_MAX_ROWS = 16,
   SW_Q8_THREADS = 256,   // 8 simdgroups per q8 threadgroup, one output channel each
+  SW_Q4_GROUP = 64,      // q4 weights: inputs sharing one scale (csrc/weights.h)
+  SW_LSE_LANES = 256,    // logsumexp_rows: the fixed number of partial sums of a row
+  SW_TOPK_MAX = 16,      // top_k_rows: k <= 16
+  SW_NO_INDEX = 0x7fffffff,  // rows.metal: "no index yet", loses to every real one
 };
 
 // Attention scores are finite; this sentinel stands for "no key yet" without relying on
@@ -48,7 +52,28 @@ struct SwGDNParams {
   float q_scale;     // 1/sqrt(dk)
 };
 
-// q8_quantize_rows / q8_matmul (see q8_matmul.metal).
+// q8_quantize_rows / q8_matmul / q4_matmul (q8_matmul.metal), matmul_f32 / matmul_bf16
+// (matmul.metal): the one matmul parameter block. cols_pad is the int8 row stride (q8: a
+// multiple of 32, q4: of 64); the float matmuls read rows of `cols`.
 struct SwQ8Params {
   int rows, cols, cols_pad, out_features;
+};
+
+// elementwise.metal: n is the element count (add_inplace, silu_mul, sigmoid_mul) or the row
+// count (split_q_gate: heads = Hq, dim = D; rope: heads, dim = head_dim, rot = rotary dims;
+// gdn_gates: heads = Hv; gather_rows: dim = row width in floats).
+struct SwEltParams {
+  int n, heads, dim, rot;
+};
+
+// embed_rows_*: tokens [n_tokens] -> x [n_tokens, hidden] from a [vocab, hidden] table
+// (q8/q4: rows of cols_pad int8 / cols_pad / 2 bytes).
+struct SwEmbedParams {
+  int n_tokens, hidden, cols_pad, vocab;
+};
+
+// rows.metal: rms_norm (cols = dim, eps), argmax_rows / logsumexp_rows / top_k_rows (k).
+struct SwRowsParams {
+  int rows, cols, k;
+  float eps;
 };

@@ -371,13 +371,7 @@ def test_kernels_really_synchronise(built):
 BARRIER_M = "threadgroup_barrier(mem_flags::mem_threadgroup);"
 
 
-def _delete(text, needle, n, repl=""):
-    """Replace the n-th occurrence of needle that is code (not inside a // comment)."""
-    i, seen = -1, -1
-    while seen < n:
-        i = text.index(needle, i + 1)
-        seen += "//" not in text[text.rfind("\n", 0, i) + 1:i]
-    return text[:i] + repl + text[i + len(needle):]
+_delete = gu.replace_nth_in_code
 
 
 def _early_return(kernel, cond):
