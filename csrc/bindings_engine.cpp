@@ -62,8 +62,10 @@ void bind_engine(py::module_& m) {
   m.def("available_backends", &available_backends,
         "The backends this build has: 'cpu', then 'metal', 'metal-emulated', 'sycl', "
         "'sycl-emulated' as built.");
+  py::register_exception<EngineBusy>(m, "EngineBusyError", PyExc_RuntimeError);
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
-      .def_property_readonly("position", [](const Snapshot& s) { return s.length; });
+      .def_property_readonly("position", [](const Snapshot& s) { return s.length; })
+      .def_property_readonly("model_id", [](const Snapshot& s) { return s.model_id; });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
@@ -75,7 +77,7 @@ void bind_engine(py::module_& m) {
              for (auto item : weights) {
                const std::string name = py::str(item.first);
                keep.push_back(as_f32(item.second, name.c_str(), std::vector<py::ssize_t>(
-                   py::array::ensure(item.second) ? py::array::ensure(item.second).ndim() : 0, -1), false));
+                   py::array::ensure(item.second) ? py::array::ensure(item.second).ndim() : 0, -1)));
                Tensor x{keep.back().data(), {}};
                for (py::ssize_t i = 0; i < keep.back().ndim(); ++i) x.shape.push_back(keep.back().shape(i));
                t.emplace(name, x);
@@ -173,6 +175,10 @@ void bind_engine(py::module_& m) {
       .def("restore", &Engine::restore, py::arg("snapshot"))
       .def_property_readonly("position", &Engine::position)
       .def_property_readonly("max_context", &Engine::max_context)
+      .def_property_readonly("model_id", &Engine::model_id,
+                             "Hash of the dims, weights, weight format, KV dtype and page size.")
+      .def_property_readonly_static("max_verify_nodes",
+                                    [](py::object) { return Engine::kMaxVerifyNodes; })
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.dims().vocab; })
       .def_property_readonly("threads", &Engine::threads)
       .def_property_readonly("backend", &Engine::backend)

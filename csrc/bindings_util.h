@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,8 +39,16 @@ inline F32 as_f32(py::handle obj, const char* name, std::vector<py::ssize_t> sha
   }
   F32 out = F32::ensure(a);
   if (finite) {
+    // An OR of "all exponent bits set" (inf or NaN) over the words vectorises; the element is
+    // looked up only on failure (a checkpoint's weights pass through here at load).
     const float* p = out.data();
-    for (py::ssize_t i = 0; i < out.size(); ++i)
+    uint32_t bad = 0;
+    for (py::ssize_t i = 0; i < out.size(); ++i) {
+      uint32_t b;
+      std::memcpy(&b, p + i, sizeof b);
+      bad |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+    }
+    for (py::ssize_t i = 0; bad && i < out.size(); ++i)
       if (!std::isfinite(p[i]))
         throw InputError(cat(name, " has a non-finite value ", p[i], " at flat index ", i));
   }

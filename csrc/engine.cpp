@@ -11,16 +11,113 @@
 
 namespace sapwood {
 
+namespace {
+
+// Every constructor argument, before anything is built from it (a zero KV head count divided
+// by it; a huge max_context overflowed the page count).
+const ModelDims& checked(const ModelDims& d, int max_context, int threads, int page_size) {
+  constexpr int kBig = 1 << 24;  // larger than any real dimension, small enough for int sizes
+  auto dim = [&](int v, const char* name, int lo) {
+    SW_CHECK(v >= lo && v <= kBig, "dims: ", name, " must be in [", lo, ", ", kBig, "], got ", v);
+  };
+  dim(d.vocab, "vocab_size", 1);
+  dim(d.hidden, "hidden_size", 1);
+  dim(d.inter, "intermediate_size", 1);
+  SW_CHECK(d.n_layers() > 0 && d.n_layers() <= 4096, "dims: layer_is_attention must list 1 to 4096 "
+           "layers, got ", d.n_layers());
+  SW_CHECK(std::isfinite(d.eps) && d.eps > 0, "dims: rms_norm_eps must be finite and > 0, got ", d.eps);
+  if (d.n_attn() > 0) {
+    dim(d.n_heads, "num_heads", 1);
+    dim(d.n_kv_heads, "num_kv_heads", 1);
+    SW_CHECK(d.n_heads % d.n_kv_heads == 0, "dims: num_heads=", d.n_heads,
+             " is not a multiple of num_kv_heads=", d.n_kv_heads);
+    SW_CHECK(d.head_dim > 0 && d.head_dim % 32 == 0 && d.head_dim <= 1024,
+             "dims: head_dim must be a multiple of 32 up to 1024, got ", d.head_dim);
+    SW_CHECK(d.rotary_dim >= 0 && d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim,
+             "dims: rotary_dim must be even and in [0, head_dim=", d.head_dim, "], got ", d.rotary_dim);
+    SW_CHECK(std::isfinite(d.rope_theta) && d.rope_theta > 0,
+             "dims: rope_theta must be finite and > 0, got ", d.rope_theta);
+  }
+  if (d.n_attn() < d.n_layers()) {
+    dim(d.hk, "hk", 1), dim(d.hv, "hv", 1), dim(d.dk, "dk", 1), dim(d.dv, "dv", 1);
+    SW_CHECK(d.hv % d.hk == 0, "dims: hv=", d.hv, " is not a multiple of hk=", d.hk);
+    SW_CHECK(d.conv_k >= 1 && d.conv_k <= 64, "dims: conv_kernel must be in [1, 64], got ", d.conv_k);
+  }
+  SW_CHECK(max_context > 0 && max_context <= Engine::kMaxContext, "max_context must be in [1, ",
+           Engine::kMaxContext, "], got ", max_context);
+  SW_CHECK(threads >= 0 && threads <= 1024, "threads must be in [0, 1024] (0: the default), got ",
+           threads);
+  SW_CHECK(page_size > 0 && page_size % 32 == 0 && page_size <= 4096,
+           "page_size must be a multiple of 32 up to 4096, got ", page_size);
+  return d;
+}
+
+// 64-bit FNV-1a over small values, four independent multiply lanes over tensor data (one
+// multiply per 8 bytes per lane keeps the load's extra pass cheap next to its conversions).
+struct Hasher {
+  uint64_t h = 0xcbf29ce484222325ull;
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  }
+  template <class T>
+  void value(const T& v) { bytes(&v, sizeof v); }
+  void data(const float* p, size_t n) {
+    uint64_t lane[4] = {1, 2, 3, 4};
+    const size_t words = n / 2;  // two floats a word
+    size_t i = 0;
+    for (; i + 4 <= words; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        uint64_t w;
+        std::memcpy(&w, p + 2 * (i + j), 8);
+        lane[j] = (lane[j] ^ w) * 0x9E3779B97F4A7C15ull;
+        lane[j] ^= lane[j] >> 29;
+      }
+    for (uint64_t l : lane) value(l);
+    bytes(p + 2 * i, (n - 2 * i) * sizeof(float));
+  }
+};
+
+uint64_t fingerprint(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv,
+                     int page_size) {
+  Hasher h;
+  for (int v : {d.vocab, d.hidden, d.inter, d.n_heads, d.n_kv_heads, d.head_dim, d.rotary_dim,
+                d.hk, d.dk, d.hv, d.dv, d.conv_k, int(d.tied), int(d.tiled), int(wfmt), int(kv),
+                page_size})
+    h.value(v);
+  h.value(d.rope_theta), h.value(d.eps);
+  for (bool a : d.is_attn) h.value(a);
+  for (const auto& [name, x] : t) {  // a std::map: in name order
+    h.bytes(name.data(), name.size());
+    size_t n = 1;
+    for (int64_t s : x.shape) h.value(s), n *= size_t(s);
+    h.data(x.data, n);
+  }
+  return h.h;
+}
+
+}  // namespace
+
+Engine::Use::Use(const Engine& e) : e_(e) {
+  const std::thread::id me = std::this_thread::get_id();
+  if (e.owner_.load(std::memory_order_acquire) == me) return;  // nested on this thread
+  std::thread::id none;
+  if (!e.owner_.compare_exchange_strong(none, me, std::memory_order_acq_rel))
+    throw EngineBusy("engine is in use by another thread: an Engine runs one call at a time "
+                     "(give each thread its own Engine, or serialise the calls)");
+  outer_ = true;
+}
+
+Engine::Use::~Use() {
+  if (outer_) e_.owner_.store(std::thread::id(), std::memory_order_release);
+}
+
 Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
                int threads, int page_size, const std::string& backend)
-    : dims_(d), max_context_(max_context), threads_(threads > 0 ? threads : default_threads()),
-      fwd_(dims_, weights_) {
-  SW_CHECK(d.vocab > 0 && d.hidden > 0 && d.inter > 0 && d.n_layers() > 0, "bad model dims");
-  SW_CHECK(max_context > 0, "max_context must be positive, got ", max_context);
-  SW_CHECK(d.n_attn() == 0 || (d.n_heads % d.n_kv_heads == 0 && d.head_dim % 32 == 0),
-           "attention needs heads divisible by KV heads and head_dim a multiple of 32");
-  SW_CHECK(d.rotary_dim % 2 == 0 && d.rotary_dim <= d.head_dim, "bad rotary_dim ", d.rotary_dim);
+    : dims_(checked(d, max_context, threads, page_size)), max_context_(max_context),
+      threads_(threads > 0 ? threads : default_threads()), fwd_(dims_, weights_) {
   weights_ = load_weights(d, t, wfmt);
+  model_id_ = fingerprint(d, t, wfmt, kv, page_size);
   be_ = make_backend(backend, dims_, weights_, kv, max_context, page_size, threads_);
 }
 
@@ -45,6 +142,7 @@ void Engine::check_tokens(const std::vector<int>& tokens) const {
 }
 
 std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows) {
+  Use use(*this);
   join_fold();
   check_tokens(tokens);
   const int P = position(), T = int(tokens.size());
@@ -87,9 +185,12 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
 }
 
 std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
+  Use use(*this);
   join_fold();
   SW_CHECK(tokens.size() == parents.size(), "tokens (", tokens.size(), ") and parents (",
            parents.size(), ") differ in length");
+  SW_CHECK(tokens.size() <= size_t(kMaxVerifyNodes), "verify: a tree of ", tokens.size(),
+           " nodes; at most ", kMaxVerifyNodes, " are verified at once");
   check_tokens(tokens);
   const int n = int(tokens.size());
   check_parents(parents.data(), n);
@@ -115,6 +216,7 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
 }
 
 void Engine::commit(const std::vector<int>& path, bool fold_in_background) {
+  Use use(*this);
   join_fold();
   SW_CHECK(!tape_parents_.empty(), "commit without a preceding verify");
   check_path(tape_parents_.data(), int(tape_parents_.size()), path);
@@ -175,6 +277,7 @@ int Engine::max_draft_prefix() const {
 
 std::vector<float> Engine::draft_chain(int root, int rows, double temperature, uint64_t seed,
                                        std::vector<int>* chain, const std::vector<int>& prefix) {
+  Use use(*this);
   join_fold();
   if (!prefix.empty()) check_tokens(prefix);
   check_tokens({root});
@@ -231,6 +334,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
 }
 
 int Engine::keep_draft(const std::vector<int>& tokens) {
+  Use use(*this);
   join_fold();
   check_tokens(tokens);
   int m = 0;
@@ -254,6 +358,7 @@ void Engine::begin_change() {
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
                               std::vector<int>* ids, std::vector<double>* logp,
                               const std::vector<int>& prefix) {
+  Use use(*this);
   SW_CHECK(k >= 1, "draft_candidates: k must be >= 1, got ", k);
   const int V = dims_.vocab;
   k = std::min(k, V);
@@ -272,12 +377,14 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
 }
 
 void Engine::reset() {
+  Use use(*this);
   join_fold();
   be_->reset();
   begin_change();
 }
 
 void Engine::fill_synthetic(int n, uint64_t seed) {
+  Use use(*this);
   join_fold();
   SW_CHECK(n >= 0 && position() + n <= max_context_, "fill_synthetic: ", n, " positions past ",
            position(), " exceed max_context ", max_context_);
@@ -289,25 +396,36 @@ void Engine::fill_synthetic(int n, uint64_t seed) {
 }
 
 std::shared_ptr<Snapshot> Engine::snapshot() const {
+  Use use(*this);
   join_fold();
   auto s = std::make_shared<Snapshot>();
   s->length = position();
   s->backend = be_->name();
+  s->model_id = model_id_;
   be_->snapshot(s.get());
   return s;
 }
 
 void Engine::restore(const Snapshot& s) {
+  Use use(*this);
   join_fold();
   SW_CHECK(s.backend == be_->name(), "snapshot is from the ", s.backend, " backend, this engine runs ",
            be_->name());
+  SW_CHECK(s.model_id == model_id_, "snapshot is from another model (model id ", std::hex,
+           s.model_id, ", this engine's ", model_id_, ")");
+  SW_CHECK(s.length >= 0 && s.length <= max_context_, "snapshot of ", s.length,
+           " positions does not fit max_context ", max_context_);
   be_->restore(s);  // validates, then applies
   begin_change();
 }
 
-size_t Engine::kv_bytes_used() const { return be_->kv_bytes_used(); }
+size_t Engine::kv_bytes_used() const {
+  Use use(*this);
+  return be_->kv_bytes_used();
+}
 
 size_t Engine::gdn_state_bytes() const {
+  Use use(*this);
   join_fold();
   return be_->gdn_state_bytes();
 }

@@ -1,7 +1,10 @@
 // The Engine of DESIGN.md: committed state (paged KV + GDN layers) and the three calls
 // prefill / verify / commit, plus snapshots of the committed state.
 #pragma once
+#include <atomic>
 #include <memory>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "backend.h"
@@ -9,6 +12,12 @@
 #include "thread_pool.h"
 
 namespace sapwood {
+
+// A second thread calling into an Engine while one call runs: the engine holds one sequence's
+// state, and two calls interleaved would corrupt it. Becomes a Python RuntimeError.
+struct EngineBusy : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 class Engine {
  public:
@@ -58,9 +67,22 @@ class Engine {
   // state left as it is) without paying for their prefill. Not a model computation.
   void fill_synthetic(int n, uint64_t seed);
   std::shared_ptr<Snapshot> snapshot() const;
+  // Validates the whole snapshot (its model, its length against max_context, its pages and
+  // GDN states), then applies it; on any failure the engine is unchanged.
   void restore(const Snapshot& s);
+  // A hash of the dims, the weights as given, the weight format, the KV dtype and the page
+  // size: engines built from the same checkpoint the same way have the same id.
+  uint64_t model_id() const { return model_id_; }
+  // The most nodes verify() takes: the forward's largest batch (a prefill chunk), so a tree
+  // never raises the peak memory above a prompt's.
+  static constexpr int kMaxVerifyNodes = 256;
+  // The longest max_context: 2^24 positions keeps every page and position count an int.
+  static constexpr int kMaxContext = 1 << 24;
 
-  int position() const { return be_->length(); }
+  int position() const {
+    Use use(*this);
+    return be_->length();
+  }
   int max_context() const { return max_context_; }
   const ModelDims& dims() const { return dims_; }
   size_t weight_bytes() const { return weights_.bytes(); }
@@ -73,6 +95,23 @@ class Engine {
   static constexpr int kPrefillChunk = 256;  // rows per forward while prefilling
 
  private:
+  // Every public method that reads or changes state holds one: a call from a second thread
+  // while one runs raises EngineBusy instead of blocking or racing. Nested calls on the
+  // holding thread (draft_candidates -> draft_chain, position()) pass through.
+  class Use {
+   public:
+    explicit Use(const Engine& e);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    const Engine& e_;
+    bool outer_ = false;
+  };
+  mutable std::atomic<std::thread::id> owner_{};
+  uint64_t model_id_ = 0;
+
   void check_tokens(const std::vector<int>& tokens) const;
   // Appends the logits prefill(tokens, all_rows) returns to *out.
   void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out);

@@ -45,8 +45,13 @@ GDNLayer::GDNLayer(const GDNDims& d, const float* conv_w, int max_pending)
 void GDNLayer::reset() {
   S_.assign(size_t(dims_.hv) * dims_.dk * dims_.dv, 0.0f);
   window_.assign(size_t(dims_.conv_k - 1) * dims_.channels(), 0.0f);
+  // the pending tape and the last forward's rows too: stale ones were read back by the next
+  // append (commit, keep_draft) as if they were pending
+  pk_.clear(), pv_.clear(), pg_.clear(), pbeta_.clear();
   n_pending_ = 0;
   tape_n_ = 0;
+  tape_parents_.clear();
+  x_.clear(), q_.clear(), k_.clear(), v_.clear(), g_.clear(), beta_.clear();
 }
 
 void GDNLayer::save(Committed* c) const {

@@ -103,4 +103,36 @@ void free_huge_capable(void* p, size_t bytes) {
 
 size_t arena_chunks() { return arena().chunks(); }
 
+void* alloc_lazy_zeroed(size_t bytes) {
+#if defined(__linux__) && defined(MAP_ANONYMOUS)
+  // map one huge page more than asked and trim both ends to 2 MiB alignment
+  const size_t size = round_up(bytes ? bytes : 1, kHugePage), span = size + kHugePage;
+  void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (m == MAP_FAILED) throw std::bad_alloc();
+  char* base = static_cast<char*>(m);
+  char* p = reinterpret_cast<char*>(round_up(reinterpret_cast<size_t>(base), kHugePage));
+  if (p > base) munmap(base, size_t(p - base));
+  if (p + size < base + span) munmap(p + size, size_t(base + span - (p + size)));
+#ifdef MADV_HUGEPAGE
+  madvise(p, size, MADV_HUGEPAGE);  // a hint: failure is harmless
+#endif
+  return p;
+#else
+  void* p = std::calloc(bytes ? bytes : 1, 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+#endif
+}
+
+void free_lazy_zeroed(void* p, size_t bytes) {
+  if (!p) return;
+#if defined(__linux__) && defined(MAP_ANONYMOUS)
+  munmap(p, round_up(bytes ? bytes : 1, kHugePage));
+#else
+  (void)bytes;
+  std::free(p);
+#endif
+}
+
 }  // namespace sapwood

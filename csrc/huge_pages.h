@@ -31,6 +31,13 @@ void* alloc_huge_capable(size_t bytes);
 void free_huge_capable(void* p, size_t bytes);
 size_t arena_chunks();  // chunks held now (for tests)
 
+// Zero-filled storage that takes memory only as it is first written: an anonymous mapping
+// (2 MiB aligned, madvised for huge pages) whose pages the OS supplies, zeroed, on first
+// touch. The KV pool is one: an engine's resident memory grows with the positions it uses
+// instead of max_context's whole pool being allocated and zeroed at load. Elsewhere calloc.
+void* alloc_lazy_zeroed(size_t bytes);
+void free_lazy_zeroed(void* p, size_t bytes);
+
 template <class T>
 struct HugePageAllocator {
   using value_type = T;

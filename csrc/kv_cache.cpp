@@ -46,14 +46,17 @@ KVPagePool::KVPagePool(int num_pages, int page_size, int n_layers, int n_kv_head
   }
   head_bytes_ = part_bytes_[0] + part_bytes_[1] + part_bytes_[2] + part_bytes_[3];
   page_bytes_ = head_bytes_ * n_kv_heads * n_layers;
-  data_.assign(page_bytes_ * num_pages, 0);
+  bytes_ = page_bytes_ * size_t(num_pages);
+  data_ = static_cast<uint8_t*>(alloc_lazy_zeroed(bytes_));
   for (int p = num_pages - 1; p >= 0; --p) free_.push_back(p);
 }
+
+KVPagePool::~KVPagePool() { free_lazy_zeroed(data_, bytes_); }
 
 uint8_t* KVPagePool::raw(int page, int layer, int head, int which) const {
   size_t off = page_bytes_ * page + head_bytes_ * (size_t(layer) * n_kv_heads_ + head);
   for (int w = 0; w < which; ++w) off += part_bytes_[w];
-  return const_cast<uint8_t*>(data_.data()) + off;
+  return data_ + off;
 }
 
 int KVPagePool::alloc() {

@@ -25,6 +25,9 @@ class KVPagePool {
  public:
   KVPagePool(int num_pages, int page_size, int n_layers, int n_kv_heads, int head_dim,
              KVDtype dtype);
+  ~KVPagePool();
+  KVPagePool(const KVPagePool&) = delete;
+  KVPagePool& operator=(const KVPagePool&) = delete;
   int num_pages() const { return num_pages_; }
   int page_size() const { return page_size_; }
   int n_layers() const { return n_layers_; }
@@ -32,10 +35,10 @@ class KVPagePool {
   int head_dim() const { return head_dim_; }
   KVDtype dtype() const { return dtype_; }
   int free_pages() const { return int(free_.size()); }
-  size_t bytes() const { return data_.size(); }
+  size_t bytes() const { return bytes_; }  // reserved; resident only once written
   size_t page_bytes() const { return page_bytes_; }
-  uint8_t* page_data(int page) { return data_.data() + page_bytes_ * page; }
-  const uint8_t* page_data(int page) const { return data_.data() + page_bytes_ * page; }
+  uint8_t* page_data(int page) { return data_ + page_bytes_ * page; }
+  const uint8_t* page_data(int page) const { return data_ + page_bytes_ * page; }
 
   int alloc();           // throws CapacityError when empty
   void release(int page);
@@ -59,7 +62,8 @@ class KVPagePool {
   KVDtype dtype_;
   size_t part_bytes_[4];   // bytes of one [slot][..] block for k, v, k_scale, v_scale
   size_t head_bytes_, page_bytes_;
-  BigVector<uint8_t> data_;
+  size_t bytes_ = 0;
+  uint8_t* data_ = nullptr;  // alloc_lazy_zeroed: a page takes memory when first written
   std::vector<int> free_;
 };
 

@@ -29,6 +29,6 @@ def test_generate_streams_text_and_stats(tmp_path, capsys):
 
 def test_bad_arguments_give_an_error_not_a_traceback(tmp_path, capsys):
     make_tiny_checkpoint(tmp_path / "m", seed=4)
-    assert main(["generate", "x", "--model", str(tmp_path / "m"), "--max-tokens", "0"]) == 2
+    assert main(["generate", "x", "--model", str(tmp_path / "m"), "--max-tokens", "0"]) == 1
     assert "max_tokens" in capsys.readouterr().err
-    assert main(["generate", "x", "--model", str(tmp_path / "nope")]) == 2
+    assert main(["generate", "x", "--model", str(tmp_path / "nope")]) == 1

@@ -1,8 +1,13 @@
-"""Command line: `sapwood generate PROMPT` (and `sapwood bench ...`, see bench/)."""
+"""Command line: `sapwood generate PROMPT` (and `sapwood bench ...`, see bench/).
+
+Any failure is reported on one line of standard error with exit code 1 (2: the command line
+itself is wrong, as argparse reports it); `--debug` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -39,7 +44,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(a) -> int:
     import sapwood
 
-    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    prompt = _read_stdin() if a.prompt == "-" else a.prompt
     model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads, backend=a.backend,
                          max_context=a.max_context)
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -53,19 +58,19 @@ def cmd_generate(a) -> int:
     out = sys.stdout
     out.write(prompt)
     out.flush()
-    ids, shown = [], ""
+    from .textstream import IncrementalText
+
+    shown = IncrementalText(model.tokenizer)  # holds back a partial UTF-8 sequence
     gen = model.generate(prompt, stream=True, **kw)
     try:
         while True:
-            ids.append(next(gen))
-            text = model.decode(ids)
-            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 sequence
-                out.write(text[len(shown):])
+            tok = next(gen)
+            if model.tokenizer is not None:
+                out.write(shown.push(tok))
                 out.flush()
-                shown = text
     except StopIteration as fin:
         r = fin.value
-    out.write(r.text[len(shown):] if r.text.startswith(shown) else "")
+    out.write(r.text[len(shown.text):] if r.text.startswith(shown.text) else "")
     s = r.stats
     print(f"\n\n[{r.finish_reason}] {s.tokens} tokens, {s.tokens_per_s:.1f} tok/s "
           f"(decode {s.decode_tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms, "
@@ -73,6 +78,24 @@ def cmd_generate(a) -> int:
           f"{s.tokens_per_cycle:.2f} tokens/cycle, {s.cycles} cycles ({s.wide_cycles} wide)",
           file=sys.stderr)
     return 0
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"standard input is not UTF-8 text (byte {e.start}: "
+                         f"{data[e.start:e.start + 1]!r})") from None
+
+
+def _error_line(e: BaseException) -> str:
+    if isinstance(e, BrokenPipeError):
+        return "standard output was closed before the output was written (broken pipe)"
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ValueError, MemoryError)):
+        return text
+    return f"{type(e).__name__}: {text}"
 
 
 def _bench(name, a) -> int:
@@ -87,6 +110,7 @@ def _bench(name, a) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="sapwood", description="speculative decoding for hybrid LLMs")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
     _add_generate_args(g)
@@ -125,13 +149,26 @@ def main(argv=None) -> int:
     pe.add_argument("--out", default="peers.json")
     pe.set_defaults(fn=lambda a: _bench("peers", a))
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = ap.parse_args(argv)
-    a.argv = argv  # bench ab --processes reruns its own command line in each child
+    a = ap.parse_args(argv)  # a usage error exits here with code 2
+    a.argv = [x for x in argv if x != "--debug"]  # bench ab --processes reruns its command line
     try:
         return a.fn(a)
-    except (ValueError, MemoryError) as e:
-        print(f"sapwood: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if a.debug:
+            raise
+        if isinstance(e, BrokenPipeError):
+            # nothing more may reach the closed pipe, not even Python's flush at exit
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+        try:
+            print(f"sapwood: error: {_error_line(e)}", file=sys.stderr)
+        except (OSError, ValueError):  # stderr closed too
+            pass
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ verify mode, width or drafter.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -18,7 +19,7 @@ import numpy as np
 
 from . import tree as trees
 from .policy import AdmissionEMA, WidthRule
-from .sampling import SamplingParams, apply_penalties, sample
+from .sampling import SamplingParams, apply_penalties, check_logits, sample
 
 VERIFY_MODES = ("off", "chain", "tree", "auto")
 
@@ -130,8 +131,8 @@ class Decoder:
             # float64 copy (the conversion is exact); skipping sample()'s checks of the whole row
             # saves tens of microseconds per emitted token, the engine's logits are finite.
             tok = int(logits.argmax())
-            if logits[tok] != logits[tok]:  # the argmax of a row with a NaN is a NaN
-                raise ValueError("logits contain NaN")
+            if not math.isfinite(logits[tok]):  # NaN, +inf, or a row all -inf: as sample()
+                check_logits(logits)
             return tok
         p = self.cfg.params
         if not self._tree_eligible:  # penalties look at the tokens before this position
@@ -395,8 +396,8 @@ class Decoder:
         path, node, picks = [0], 0, []
         while True:
             pick = best[node]
-            if logits[node, pick] != logits[node, pick]:  # a row's argmax is NaN if it has one
-                raise ValueError("logits contain NaN")
+            if not math.isfinite(logits[node, pick]):  # a row's argmax is NaN if it has one
+                check_logits(logits[node])
             picks.append(pick)
             child = tree.child(node, pick)
             if child < 0:

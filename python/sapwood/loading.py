@@ -7,6 +7,7 @@ what is wrong instead of a crash or garbage logits inside C++.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def resolve_backend(backend: str) -> str:
     if platform.system() == "Darwin" and platform.machine() == "arm64" and "metal" in available_backends():
         return "metal"
     return "cpu"
+MAX_CONTEXT = 1 << 24                     # the engine's limit (Engine::kMaxContext)
+# The largest logit the LM head could produce (a bound from its weights, see check_weights)
+# may not exceed this: float32 overflows at 3.4e38, and a row of inf logits picks nothing.
+MAX_LOGIT_BOUND = 1e30
 
 
 def check_args(weights, kv, backend, threads, max_context) -> None:
@@ -61,8 +66,9 @@ def check_args(weights, kv, backend, threads, max_context) -> None:
     # bool is an int subclass; True as a thread count or context length is a caller mistake
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
         raise ValueError(f"threads={threads!r}: must be None (engine default) or an int >= 0")
-    if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context <= 0:
-        raise ValueError(f"max_context={max_context!r}: must be a positive int")
+    if (not isinstance(max_context, int) or isinstance(max_context, bool)
+            or not 0 < max_context <= MAX_CONTEXT):
+        raise ValueError(f"max_context={max_context!r}: must be an int in [1, {MAX_CONTEXT}]")
 
 
 def engine_dims(cfg: ModelConfig) -> dict:
@@ -108,7 +114,32 @@ def check_weights(cfg: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
             raise ValueError(f"tensor {name!r} has dtype {x.dtype}; expected a floating-point "
                              "tensor (pre-quantized checkpoints are not supported)")
         out[name] = np.ascontiguousarray(x, dtype=np.float32)
+    # Non-finite values are refused by the engine, naming the tensor; finite ones that would
+    # overflow are refused here. exp(A_log) is the GDN decay rate: past float32's range
+    # (A_log >= 88.7) every decay is -inf.
+    for name, x in out.items():
+        if name.endswith("linear_attn.A_log") and x.size and np.isfinite(x).all() and x.max() >= 88.0:
+            raise ValueError(f"tensor {name!r} has A_log={float(x.max())!r}: exp(A_log) overflows "
+                             "float32 (must be < 88)")
+    _check_logit_bound(cfg, out)
     return out
+
+
+def _check_logit_bound(cfg: ModelConfig, w: dict) -> None:
+    """A logit is a row of the LM head dotted with the final norm's output, whose entries are
+    at most sqrt(H) * max|1 + norm weight| (the RMS-normalised vector has norm sqrt(H)), so
+    |logit| <= H * max|head| * max|1 + w|: refuse a checkpoint where that bound overflows."""
+    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head, norm = w[name], w["model.norm.weight"]
+    h = max(abs(float(head.max())), abs(float(head.min())))  # NaN and inf propagate
+    g = float(np.abs(1.0 + norm.astype(np.float64)).max())
+    if not (math.isfinite(h) and math.isfinite(g)):
+        return  # the engine names the tensor and the value
+    bound = cfg.hidden_size * h * g
+    if bound > MAX_LOGIT_BOUND:
+        raise ValueError(f"tensor {name!r} (largest |value| {h:.3g}) with model.norm.weight (largest "
+                         f"|1 + w| {g:.3g}) could give logits up to {bound:.3g}, past "
+                         f"{MAX_LOGIT_BOUND:.0e}: float32 logits would overflow")
 
 
 def _read_json(p: Path, what: str) -> dict:
@@ -156,6 +187,11 @@ def read_checkpoint(path) -> Checkpoint:
     gen = {}
     if (d / "generation_config.json").is_file():
         gen = _read_json(d / "generation_config.json", "generation_config.json")
+        eos = gen.get("eos_token_id")
+        eos_list = eos if isinstance(eos, list) else [eos]
+        if eos is not None and any(type(e) is not int or e < 0 for e in eos_list):
+            raise ValueError(f"{d / 'generation_config.json'}: eos_token_id={eos!r}: must be a "
+                             "token id or a list of them")
     weights = check_weights(cfg, normalize_names(load_checkpoint_weights(d)))
     tokenizer = None
     if (d / "tokenizer.json").is_file():

@@ -1,8 +1,11 @@
 """`Model`: a loaded checkpoint (engine, tokenizer, config). Build one with `sapwood.load`."""
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 from .reference.model import FULL, ModelConfig
 
@@ -31,6 +34,25 @@ class Model:
         self.draft = None        # an attached draft Model (the bundled default has one)
         # per drafter (width_rule()): cost model and acceptance calibration across requests
         self._width_rules: dict = {}
+        # One request at a time: generate() resets the engine, so a second request (another
+        # thread, a stream left open, a call from on_round) would corrupt the first one's state.
+        self._busy = threading.Lock()
+        self._busy_thread = None
+
+    def _claim(self) -> None:
+        """Take this model for one request, or raise if a request is running on it."""
+        if self._busy.acquire(blocking=False):
+            self._busy_thread = threading.get_ident()
+            return
+        where = ("on this thread (a stream not yet finished or closed, or a call from on_round)"
+                 if self._busy_thread == threading.get_ident() else "on another thread")
+        raise RuntimeError(f"{self!r} is in use by another request {where}: a Model runs one "
+                           "request at a time (finish or close the stream first, give each "
+                           "thread its own Model, or serialise the calls)")
+
+    def _release(self) -> None:
+        self._busy_thread = None
+        self._busy.release()
 
     def _tok(self):
         if self.tokenizer is None:
@@ -75,12 +97,16 @@ class Model:
                                   max_context=self.max_context)
             drafter = cache[key]
         if isinstance(drafter, Model):
+            if drafter is self or drafter.engine is self.engine:
+                # one engine cannot hold both the target's committed state and the draft's
+                raise ValueError("a model cannot be its own drafter (drafter is this model, "
+                                 "whose one engine would hold the target's and the draft's "
+                                 "state): load a second copy of it, or use drafter='lookup'")
             if drafter.config.vocab_size != self.config.vocab_size:
                 raise ValueError(f"draft model vocabulary ({drafter.config.vocab_size}) differs from "
                                  f"the target's ({self.config.vocab_size})")
             if drafter.engine.max_context < self.engine.max_context:
                 raise ValueError("the draft model's max_context is smaller than the target's")
-            drafter.engine.reset()
             return ModelDrafter(drafter)
         if hasattr(drafter, "draft") and hasattr(drafter, "advance"):
             return drafter
@@ -134,6 +160,7 @@ class Model:
         """
         from .generate import DecodeConfig, Decoder
         from .sampling import SamplingParams
+        from .textstream import IncrementalText
 
         ids = self._prompt_ids(prompt)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -145,29 +172,64 @@ class Model:
                            rows=rows, adapt_rows=adapt_rows, stop_ids=self.eos_ids()).validate()
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        d = None if verify == "off" else self.resolve_drafter(drafter)
-        if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
-            d.prompt_cache_len = len(ids) if cache_prompt else 0
-        self.engine.reset()
-        dec = Decoder(self.engine, d, cfg, rule=self.width_rule(d), on_round=on_round)
+        if stops and self.tokenizer is None:
+            raise ValueError(f"stop={stop!r}: stop strings need the checkpoint's tokenizer.json, "
+                             "which this model has none of (stop on token ids with "
+                             "generation_config's eos_token_id)")
+        claimed = []
+
+        def release():  # idempotent: the stream's close and the generator's cleanup both call it
+            while claimed:
+                claimed.pop()._release()
+
+        try:
+            self._claim()
+            claimed.append(self)
+            d = None if verify == "off" else self.resolve_drafter(drafter)
+            draft_model = getattr(d, "model", None)
+            if isinstance(draft_model, Model):  # its engine is this request's too
+                draft_model._claim()
+                claimed.append(draft_model)
+                d.reset()
+            if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
+                d.prompt_cache_len = len(ids) if cache_prompt else 0
+            self.engine.reset()
+            dec = Decoder(self.engine, d, cfg, rule=self.width_rule(d), on_round=on_round)
+        except BaseException:
+            release()
+            raise
 
         def run():
-            out = []
-            for tok in dec.run(ids, self._cached_prefill if cache_prompt else None):
-                out.append(tok)
-                if stops and self.tokenizer is not None:
-                    text = self.decode(out)
-                    cut = min((text.find(s) for s in stops if s in text), default=-1)
-                    if cut >= 0:
+            out, sent = [], 0  # out[:sent] streamed
+            text = IncrementalText(self.tokenizer, stops) if stops else None
+            try:
+                for tok in dec.run(ids, self._cached_prefill if cache_prompt else None):
+                    out.append(tok)
+                    if text is None:
+                        if stream:
+                            yield tok
+                            sent += 1
+                        continue
+                    text.push(tok)
+                    if text.stop_at >= 0:
                         dec.finish_reason = "stop"
-                        return self._result(out, text[:cut], dec, trim=True)
-                if stream:
-                    yield tok
-            text = self.decode(out) if self.tokenizer is not None else ""
-            return self._result(out, text, dec)
+                        out = out[:text.tokens_before(text.stop_at)]
+                        break
+                    safe = text.safe_tokens()
+                    while stream and sent < safe:
+                        yield out[sent]
+                        sent += 1
+                while stream and sent < len(out):  # what was held back and is kept
+                    yield out[sent]
+                    sent += 1
+                if text is not None and text.stop_at >= 0:
+                    return self._result(out, text.text[:text.stop_at], dec)
+                return self._result(out, self.decode(out) if self.tokenizer is not None else "", dec)
+            finally:
+                release()
 
         if stream:
-            return run()
+            return _Stream(run(), release)
         gen = run()
         try:
             while True:
@@ -194,12 +256,9 @@ class Model:
         self._prompt_cache = (list(ids), self.engine.snapshot(), logits)
         return logits, False
 
-    def _result(self, out, text, dec, trim=False):
+    def _result(self, out, text, dec):
         from .generate import GenerationResult
 
-        if trim:  # keep the tokens that make up the text before the stop string
-            while out and not text.startswith(self.decode(out)):
-                out = out[:-1]
         dec.stats.tokens = len(out)
         return GenerationResult(list(out), text, dec.stats, dec.finish_reason)
 
@@ -208,11 +267,25 @@ class Model:
             if not prompt:
                 raise ValueError("empty prompt")
             return self.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise ValueError(f"prompt is {type(prompt).__name__}: pass text as str (decode it "
+                             "first) or token ids as a list of ints")
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             return self.encode(self.apply_chat_template(prompt))
-        ids = [int(t) for t in prompt]
+        if isinstance(prompt, np.ndarray) and (prompt.ndim != 1 or prompt.dtype.kind not in "iu"):
+            raise ValueError(f"prompt array of dtype {prompt.dtype} and shape {prompt.shape}: "
+                             "token ids must be a 1-D integer array")
+        try:
+            ids = list(prompt)
+        except TypeError:
+            raise ValueError(f"prompt must be text, token ids or chat messages, got "
+                             f"{type(prompt).__name__}") from None
         if not ids:
             raise ValueError("empty prompt")
+        for i, t in enumerate(ids):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"prompt token id {t!r} at index {i} is not an integer")
+        ids = [int(t) for t in ids]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
@@ -234,3 +307,30 @@ class Model:
         return (f"Model({name!r}, layers={c.num_layers} ({c.num_layers - n_attn} GDN + {n_attn} "
                 f"attention), hidden={c.hidden_size}, vocab={c.vocab_size}, weights={self.weights}, "
                 f"kv={self.kv}, backend={self.backend}, max_context={self.max_context})")
+
+
+class _Stream:
+    """generate(stream=True)'s iterator: token ids, then the GenerationResult as
+    StopIteration's value. The model stays claimed until the stream is exhausted, closed or
+    dropped; a generator closed before it started runs no cleanup, hence `release`."""
+
+    def __init__(self, gen, release):
+        self._gen, self._release = gen, release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._gen)
+
+    def close(self) -> None:
+        try:
+            self._gen.close()
+        finally:
+            self._release()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass

@@ -101,7 +101,7 @@ class SamplingParams:
                 and self.frequency_penalty == 0.0)
 
 
-def _check_logits(logits) -> np.ndarray:
+def check_logits(logits) -> np.ndarray:
     x = np.asarray(logits)
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"logits shape {x.shape}: must be [V] or [N, V] with V > 0")
@@ -149,7 +149,7 @@ def filtered_probs(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> np
     """The exact distribution `sample` draws from: same shape as logits ([V] or [N, V]),
     0 outside the kept set, renormalised inside it. T = 0 is one-hot at the argmax."""
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).validate()
-    x = _check_logits(logits)
+    x = check_logits(logits)
     x2 = np.atleast_2d(x)
     if temperature == 0:
         p = np.zeros_like(x2)
@@ -166,7 +166,7 @@ def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, mi
     `position` is the index the sampled token will have in the sequence (prompt included)."""
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    seed=seed).validate()
-    x = _check_logits(logits)
+    x = check_logits(logits)
     pos = np.asarray(positions)
     if x.ndim == 1 and pos.ndim != 0:
         raise ValueError(f"positions shape {pos.shape}: logits [V] take one int position")

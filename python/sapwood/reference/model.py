@@ -11,6 +11,7 @@ could be read two ways, transformers wins (notes marked "HF:").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +32,41 @@ UNSUPPORTED_TYPES = {
 # (transformers repeat_interleave's q/k: value head h reads key head h // (Hv/Hk)); some
 # converters (GGUF-style) permute the value heads to "tiled" order (h reads key head h % Hk).
 HEAD_ORDER_KEY = "sapwood_gdn_head_order"
+
+
+_MISSING = object()
+
+
+def _int_key(c: dict, key: str, default, lo: int = 1) -> int:
+    """config[key] as an int >= lo: a JSON integer only (not a bool, a float or a string, which
+    int() would have truncated or parsed)."""
+    v = c.get(key, _MISSING)
+    if v is _MISSING or (v is None and default is not None):
+        return default
+    if type(v) is not int or v < lo:
+        raise ValueError(f"config.json: {key}={v!r}: must be an integer >= {lo}")
+    return v
+
+
+def _float_key(c: dict, key: str, default, lo: float = 0.0, hi: float = math.inf,
+               hi_inclusive: bool = False) -> float:
+    """config[key] as a finite number in (lo, hi) (hi included where asked)."""
+    v = c.get(key, _MISSING)
+    if v is _MISSING:
+        return default
+    ok = type(v) in (int, float) and math.isfinite(v) and v > lo and (v <= hi if hi_inclusive else v < hi)
+    if not ok:
+        upper = f"<= {hi}" if hi_inclusive else f"< {hi}"
+        raise ValueError(f"config.json: {key}={v!r}: must be a finite number > {lo}"
+                         + ("" if hi == math.inf else f" and {upper}"))
+    return float(v)
+
+
+def _bool_key(c: dict, key: str, default: bool) -> bool:
+    v = c.get(key, default)
+    if type(v) is not bool:  # "false" is truthy: reading it as a bool would flip its meaning
+        raise ValueError(f"config.json: {key}={v!r}: must be true or false")
+    return v
 
 
 @dataclass(frozen=True)
@@ -84,46 +120,56 @@ class ModelConfig:
             raise ValueError("MoE text config (num_experts / moe_intermediate_size) is not supported")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only silu)")
-        if c.get("attention_bias", False):
+        if _bool_key(c, "attention_bias", False):
             raise ValueError("attention_bias=True is not supported")
 
-        n_layers = int(c.get("num_hidden_layers", 32))
+        n_layers = _int_key(c, "num_hidden_layers", 32)
         types = c.get("layer_types")
         if types is None:  # HF: full iff (i+1) % full_attention_interval == 0
-            interval = int(c.get("full_attention_interval", 4))
+            interval = _int_key(c, "full_attention_interval", 4)
             types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+        if not isinstance(types, (list, tuple)):
+            raise ValueError(f"config.json: layer_types={types!r}: must be a list")
         types = tuple(types)
-        if len(types) != n_layers or set(types) - {LINEAR, FULL}:
+        if len(types) != n_layers or any(t not in (LINEAR, FULL) for t in types):
             raise ValueError(f"layer_types {types} must be {n_layers} of {LINEAR!r}/{FULL!r}")
 
         # HF rope priority: rope_parameters (alias rope_scaling) > top-level keys > defaults.
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json: rope_parameters={rope!r}: must be an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"rope_type {rope_type!r} is not supported (only default)")
-        theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
-        prf = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
-        head_dim = int(c.get("head_dim") or 256)  # HF default 256, not hidden/heads
+        theta = _float_key(rope, "rope_theta", _float_key(c, "rope_theta", 10000.0))
+        prf = _float_key(rope, "partial_rotary_factor",
+                         _float_key(c, "partial_rotary_factor", 0.25, hi=1.0, hi_inclusive=True),
+                         hi=1.0, hi_inclusive=True)
+        head_dim = _int_key(c, "head_dim", 256)  # HF default 256 (also for null), not hidden/heads
 
-        hk, hv = int(c.get("linear_num_key_heads", 16)), int(c.get("linear_num_value_heads", 32))
+        hk, hv = _int_key(c, "linear_num_key_heads", 16), _int_key(c, "linear_num_value_heads", 32)
         if hv % hk:
             raise ValueError(f"linear_num_value_heads={hv} is not a multiple of linear_num_key_heads={hk}")
-        nh, nkv = int(c.get("num_attention_heads", 16)), int(c.get("num_key_value_heads", 4))
+        nh, nkv = _int_key(c, "num_attention_heads", 16), _int_key(c, "num_key_value_heads", 4)
         if nh % nkv:
             raise ValueError(f"num_attention_heads={nh} is not a multiple of num_key_value_heads={nkv}")
         order = c.get(HEAD_ORDER_KEY, "grouped")
         if order not in ("grouped", "tiled"):
             raise ValueError(f"{HEAD_ORDER_KEY} must be 'grouped' or 'tiled', got {order!r}")
         eos = c.get("eos_token_id")
-        eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        eos = () if eos is None else (tuple(eos) if isinstance(eos, list) else (eos,))
+        if any(type(e) is not int or e < 0 for e in eos):
+            raise ValueError(f"config.json: eos_token_id={c.get('eos_token_id')!r}: must be a "
+                             "token id or a list of them")
         return cls(
-            vocab_size=int(c.get("vocab_size", 248320)), hidden_size=int(c.get("hidden_size", 4096)),
-            intermediate_size=int(c.get("intermediate_size", 12288)), layer_types=types,
+            vocab_size=_int_key(c, "vocab_size", 248320), hidden_size=_int_key(c, "hidden_size", 4096),
+            intermediate_size=_int_key(c, "intermediate_size", 12288), layer_types=types,
             num_heads=nh, num_kv_heads=nkv, head_dim=head_dim, rotary_dim=int(head_dim * prf),
-            rope_theta=theta, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            hk=hk, dk=int(c.get("linear_key_head_dim", 128)), hv=hv,
-            dv=int(c.get("linear_value_head_dim", 128)), conv_kernel=int(c.get("linear_conv_kernel_dim", 4)),
+            rope_theta=theta, rms_norm_eps=_float_key(c, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=_bool_key(c, "tie_word_embeddings", False),
+            hk=hk, dk=_int_key(c, "linear_key_head_dim", 128), hv=hv,
+            dv=_int_key(c, "linear_value_head_dim", 128),
+            conv_kernel=_int_key(c, "linear_conv_kernel_dim", 4),
             head_order=order, eos_token_ids=eos)
 
 
