@@ -83,11 +83,11 @@ def test_ab_across_processes_keeps_every_process(ckpt, tmp_path, capsys):
 def test_ab_across_processes_reports_a_failing_process(ckpt, tmp_path, capsys):
     assert main(["bench", "ab", "--model", str(ckpt), "--a", "verify=sideways", "--prompts", "1",
                  "--max-tokens", "4", "--blocks", "1", "--processes", "2",
-                 "--out", str(tmp_path / "x.json")]) == 2
+                 "--out", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
-    assert "sideways" in err and "process 1 of the A/B failed (exit 2)" in err
+    assert "sideways" in err and "process 1 of the A/B failed (exit 1)" in err
     assert not (tmp_path / "x.json").exists()
-    assert main(["bench", "ab", "--model", str(ckpt), "--processes", "0"]) == 2
+    assert main(["bench", "ab", "--model", str(ckpt), "--processes", "0"]) == 1
     assert "--processes must be at least 1, got 0" in capsys.readouterr().err
 
 
