@@ -74,9 +74,9 @@ kernel void q8_matmul(device const char* w           [[buffer(0)]],  // [out, co
 // group g (64 inputs) lane l holds the exact int
 //   I[l] = sum_{j=4l}^{4l+3} x[64g+j] q[64g+j] + x[64g+32+j] q[64g+32+j],
 // lane_acc[l] = fma(scale_g, float(I[l]), lane_acc[l]) over groups in order; the lanes fold
-// 4-2-1 and the sum is multiplied by the row's activation scale. Here simdgroup lane t computes
-// I[t % 8] of group 4b + t / 8, and every lane folds the four groups of a batch in order
-// through simd_shuffle. One simdgroup per output channel, 8 per threadgroup.
+// 4-2-1 and the sum is multiplied by the row's activation scale. Here each run of 8 simdgroup
+// lanes is one output's 8 CPU lanes (a simdgroup computes 4 outputs, a 256-thread group 32):
+// lane l walks the groups in order on its own, and only the final fold crosses lanes.
 // Weights as the CPU packs them (csrc/weights.h): [out, cols_pad / 2] bytes, byte j of a group
 // holding input j (low nibble) and j + 32 (high), q + 8; scales [out, cols_pad / 64].
 kernel void q4_matmul(device const uchar* w          [[buffer(0)]],  // [out, cols_pad / 2]
@@ -90,39 +90,32 @@ kernel void q4_matmul(device const uchar* w          [[buffer(0)]],  // [out, co
                       uint sg                        [[simdgroup_index_in_threadgroup]],
                       uint nsg                       [[simdgroups_per_threadgroup]])
 {
-  const int o = tg.x * nsg + sg;
-  if (o >= p.out_features) return;  // whole simdgroup; no barrier in this kernel
-  const int G = p.cols_pad / SW_Q4_GROUP, l = lane % 8, part = lane / 8;
-  device const uint* wrow = (device const uint*)(w + size_t(o) * (p.cols_pad / 2));  // 8 words a group
-  device const float* sc = w_scale + size_t(o) * G;
+  const int o = (tg.x * nsg + sg) * 4 + lane / 8, l = lane % 8, G = p.cols_pad / SW_Q4_GROUP;
+  const bool live = o < p.out_features;  // every lane stays for the fold's shuffles
   float acc[SW_Q8_MAX_ROWS];
   for (int r = 0; r < p.rows; ++r) acc[r] = 0.0f;
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    const int g = g0 + part;
-    int dot[SW_Q8_MAX_ROWS];
-    if (g < G) {
-      const uint b = wrow[g * 8 + l];  // bytes 4l..4l+3: inputs 4l.. (low) and 32+4l.. (high)
+  if (live) {
+    device const uint* wrow = (device const uint*)(w + size_t(o) * (p.cols_pad / 2));  // 8 words a group
+    device const float* sc = w_scale + size_t(o) * G;
+    for (int g = 0; g < G; ++g) {
+      const uint b = wrow[g * 8 + l];  // bytes 4l..4l+3: inputs 4l.. (low nibbles) and 32+4l.. (high)
       const int4 lo = int4(int(b & 15u), int((b >> 8) & 15u), int((b >> 16) & 15u), int((b >> 24) & 15u)) -
                       int4(8, 8, 8, 8);
       const int4 hi = int4(int((b >> 4) & 15u), int((b >> 12) & 15u), int((b >> 20) & 15u), int(b >> 28)) -
                       int4(8, 8, 8, 8);
+      const float s = sc[g];
       for (int r = 0; r < p.rows; ++r) {
         device const char4* xr = (device const char4*)(xq + r * p.cols_pad + g * SW_Q4_GROUP);
         const int4 d = int4(xr[l]) * lo + int4(xr[8 + l]) * hi;
-        dot[r] = d.x + d.y + d.z + d.w;
+        acc[r] = fma(s, float(d.x + d.y + d.z + d.w), acc[r]);
       }
-    } else {
-      for (int r = 0; r < p.rows; ++r) dot[r] = 0;
     }
-    for (int q = 0; q < 4 && g0 + q < G; ++q)  // uniform across the simdgroup
-      for (int r = 0; r < p.rows; ++r)
-        acc[r] = fma(sc[g0 + q], float(simd_shuffle(dot[r], ushort(q * 8 + l))), acc[r]);
   }
-  for (int r = 0; r < p.rows; ++r) {  // lanes 0..7 hold lane_acc[0..7]: fold 4-2-1 as the CPU
+  for (int r = 0; r < p.rows; ++r) {  // lanes 8k..8k+7 hold lane_acc[0..7]: fold 4-2-1 as the CPU
     float v = acc[r];
     v = v + simd_shuffle(v, ushort((lane + 4) % SW_SIMD));
     v = v + simd_shuffle(v, ushort((lane + 2) % SW_SIMD));
     v = v + simd_shuffle(v, ushort((lane + 1) % SW_SIMD));
-    if (lane == 0) y[r * p.out_features + o] = v * xs[r];
+    if (live && l == 0) y[r * p.out_features + o] = v * xs[r];
   }
 }

@@ -9,6 +9,8 @@ error bound where it sums. Row-count independence is asserted with `==`: a row r
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -154,11 +156,11 @@ def test_gdn_gates(dev, rng):
     arg = ba.copy()
     arg[:, hv:] = ba[:, hv:] + dt_bias
     wb, wg = ops.gdn_gates(arg, np.zeros(hv), a_log)
-    # relative: a few ulps each (exp, log, the Goldberg correction, two products). Far below
-    # zero softplus(a) ~ exp(a): log(1 + exp(a)) without the correction would give 0 there and
-    # fail this bound by 100%.
-    assert np.all(np.abs(beta - wb) <= 8 * U * np.abs(wb) + 1e-38)
-    assert np.all(np.abs(g - wg) <= 16 * U * np.abs(wg) + 1e-38), np.max(np.abs(g - wg) / np.abs(wg))
+    # relative: exp and log within 4 ulp each (MSL's precise bounds; libm's are 1), then an add,
+    # a division, the Goldberg correction and two products rounding once each. Far below zero
+    # softplus(a) ~ exp(a): log(1 + exp(a)) without the correction gives 0 there, 100% off.
+    assert np.all(np.abs(beta - wb) <= 16 * U * np.abs(wb) + 1e-38)
+    assert np.all(np.abs(g - wg) <= 32 * U * np.abs(wg) + 1e-38), np.max(np.abs(g - wg) / np.abs(wg))
 
 
 # ---------------------------------------------------------------- matmuls
@@ -215,7 +217,7 @@ def test_int8_matmul_is_the_cpus(dev, rng, fmt, rows):
     assert (xq == rq).all() and (xs == rs).all()
     y = np.zeros((rows, out), np.float32)
     kernel = f"{fmt}_matmul"
-    groups = -(-out // 8)
+    groups = -(-out // (8 if fmt == "q8" else 32))  # q4: four outputs a simdgroup
     gu.run(dev, kernel, [wq, ws, xq, xs, y, gu.pack(rows, 0, pad, out)], groups, 256)
     assert (y == _core.WeightMatrix(w, fmt).matmul(x, threads=1)).all()
     if fmt == "q8":
@@ -283,9 +285,11 @@ def test_logsumexp_rows(dev, rng, cols):
     out = np.zeros(rows, np.float32)
     gu.run(dev, "logsumexp_rows", [x, out, gu.pack(rows, cols, 0, 0.0)], rows, 256, [4 * 256])
     want = np.array([logsumexp(r) for r in x])
-    # partial sums of cols/256 terms, a 8-add and a 5-step fold (each within (terms) u of the
-    # exact sum s >= 1), exp within an ulp, log and the final add within an ulp of the result
-    bound = (cols / 256 + 16) * U + 2 * U * np.abs(want)
+    # relative to the sum s >= 1: partial sums of cols/256 terms, an 8-add and a 5-step fold
+    # (one rounding each), each exp within 4 ulp (8 u: MSL's precise bound, libm's is 1 ulp);
+    # then log (4 ulp) and the final add, relative to the result. One term dropped from a flat
+    # row of 300 (1/300) is far outside.
+    bound = (cols / 256 + 24) * U + 10 * U * np.abs(want)
     assert np.all(np.abs(out - want) <= bound), np.abs(out - want)
     for threads in (32, 96):  # the partials' order is fixed by cols, not by the thread count
         again = np.zeros(rows, np.float32)
@@ -320,14 +324,17 @@ MUTANTS = {
 def mutant_devices(tmp_path_factory):
     if not gu.compiler_available():
         pytest.skip(f"no {gu.CXX}: mutants are built with it")
-    out = {}
-    for name, (src, edit, _) in MUTANTS.items():
-        d = tmp_path_factory.mktemp(name)
+    dirs = {name: tmp_path_factory.mktemp(name) for name in MUTANTS}  # not thread-safe: first
+
+    def make(name):
+        src, edit, _ = MUTANTS[name]
         text = (gu.METAL / src).read_text()
-        (d / src).write_text(edit(text))
-        assert (d / src).read_text() != text, name
-        out[name] = gu.EmulatedDevice(d)
-    return out
+        (dirs[name] / src).write_text(edit(text))
+        assert (dirs[name] / src).read_text() != text, name
+        return name, gu.EmulatedDevice(dirs[name])
+
+    with ThreadPoolExecutor(2) as ex:  # two compilers at a time, as test_gpu_kernels' mutants
+        return dict(ex.map(make, MUTANTS))
 
 
 def test_unmutated_ctypes_device_passes():
