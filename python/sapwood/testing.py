@@ -161,13 +161,14 @@ def save_bf16(weights: dict, filename, metadata: dict) -> None:
 
 def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=False, hk=2, hv=4,
                          dk=16, dv=16, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=128,
-                         conv_kernel=4, head_order="grouped", dtype="float32") -> dict:
+                         conv_kernel=4, head_order="grouped", dtype="float32", layer_types=None) -> dict:
     """Write an HF-format Qwen3_5ForCausalLM directory at `path`; return its config dict.
 
     head_order "tiled" writes the same model (same seed -> same function) with the GDN value
     heads permuted (see to_tiled_order) and `sapwood_gdn_head_order: "tiled"` in config.json;
     transformers knows only grouped order, so only the sapwood references can run it.
     dtype: "float32", "float16" or "bfloat16" (written by hand: numpy has no bfloat16).
+    layer_types: per layer "linear_attention" or "full_attention" (default: every 4th full).
     """
     from safetensors.numpy import save_file
 
@@ -186,8 +187,8 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
         "hidden_size": hidden,
         "intermediate_size": intermediate,
         "num_hidden_layers": layers,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                        for i in range(layers)],
+        "layer_types": list(layer_types) if layer_types is not None else
+                       ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         "full_attention_interval": 4,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
