@@ -89,22 +89,26 @@ class Pool {
   void run(int n, int helpers, JobRef fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);  // one parallel region at a time
     wait_idle();  // worker 0 may be running a background task
-    fn_ = &fn;  // lives until run() returns, after every helper is done with it
+    fn_ = &fn;  // lives until run() returns, after every job has run
     helpers_ = helpers;
+    total_ = n;
     error_ = nullptr;
     const int parts = helpers + 1;  // participant 0 is the caller, p > 0 is worker p - 1
+    done_.store(0);
     for (int p = 0; p < parts; ++p)
       ranges_[p].set(int(int64_t(n) * p / parts), int(int64_t(n) * (p + 1) / parts));
-    remaining_.store(helpers);
     {
       std::lock_guard<std::mutex> lk(mu_);
       generation_.fetch_add(1);
     }
     if (sleepers_.load() > 0) cv_.notify_all();
+    // The caller waits for the jobs, not for the helpers: a helper the OS has not run yet
+    // (another process holds its core) finds its range taken by the caller and nothing to do,
+    // instead of the region waiting a whole time slice for it to wake up and say so.
     work(0);
-    if (!spin_until([&] { return remaining_.load() == 0; })) {
+    if (!spin_until([&] { return done_.load() == n; })) {
       std::unique_lock<std::mutex> lk(mu_);
-      done_cv_.wait(lk, [&] { return remaining_.load() == 0; });
+      done_cv_.wait(lk, [&] { return done_.load() == n; });
     }
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
@@ -133,11 +137,14 @@ class Pool {
     }
   };
 
+  // Runs jobs until none is left, its own range first; returns how many it ran, which it
+  // adds to done_ once (a shared counter per job would move its cache line at every claim).
   void work(int self) {
     const int parts = helpers_ + 1;
+    int ran = 0;
     for (int k = 0; k < parts; ++k) {
       JobRange& r = ranges_[(self + k) % parts];
-      for (int i; (i = r.take(/*front=*/k == 0)) >= 0;) {
+      for (int i; (i = r.take(/*front=*/k == 0)) >= 0; ++ran) {
         try {
           (*fn_)(i);
         } catch (...) {
@@ -145,6 +152,10 @@ class Pool {
           if (!error_) error_ = std::current_exception();
         }
       }
+    }
+    if (ran > 0 && done_.fetch_add(ran) + ran == total_ && self != 0) {
+      { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see it done
+      done_cv_.notify_all();
     }
   }
   void wait_idle() {  // until no background task runs
@@ -182,13 +193,7 @@ class Pool {
       }
       seen = generation_.load();
       if (stop_) return;
-      if (index < helpers_) {
-        work(index + 1);
-        if (remaining_.fetch_sub(1) == 1) {
-          { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see 0
-          done_cv_.notify_all();
-        }
-      }
+      if (index < helpers_) work(index + 1);
     }
   }
 
@@ -196,9 +201,10 @@ class Pool {
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;
   const JobRef* fn_ = nullptr;
-  int helpers_ = 0;
+  std::atomic<int> helpers_{0};  // read by a helper that wakes after its region is over
   std::vector<JobRange> ranges_;  // one a participant: the caller and each worker
-  std::atomic<int> remaining_{0}, sleepers_{0};
+  std::atomic<int> done_{0}, sleepers_{0};  // jobs of this region run so far
+  int total_ = 0;
   std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
   std::exception_ptr error_;
