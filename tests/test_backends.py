@@ -160,3 +160,15 @@ def test_bad_input_errors_as_on_cpu(ckpt, backend):
         return out
 
     assert errors(sapwood.load(ckpt, backend=backend).engine) == errors(sapwood.load(ckpt).engine)
+
+
+def test_cli_generate_on_the_backend(ckpt, backend, capsys):
+    from sapwood.cli import main
+
+    argv = ["generate", "abc", "--model", str(ckpt), "--max-tokens", "8", "--json", "--backend", backend]
+    assert main(argv) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == sapwood.load(ckpt, backend=backend).generate("abc", max_tokens=8).tokens
+    assert main(argv[:-1] + ["no-such-backend"]) == 1
+    assert "unknown backend" in capsys.readouterr().err
