@@ -255,7 +255,8 @@ void GpuBackend::matmul(Act x, int n, std::initializer_list<std::pair<const QMat
         const SwQ8Params p{rows, m.cols, m.cols_pad, m.rows};
         run(m.fmt == WFormat::Q8 ? "q8_matmul" : "q4_matmul",
             {buf(m.w), buf(m.scale), buf(xq_, size_t(r0) * m.cols_pad), buf(xs_, size_t(r0) * 4), arg(yr), val(p)},
-            grid(blocks(m.rows, kQ8Threads / 32), 1, kQ8Threads));
+            // q8: a simdgroup an output; q4: 8 lanes an output, 4 a simdgroup
+            grid(blocks(m.rows, m.fmt == WFormat::Q8 ? kQ8Threads / 32 : kQ8Threads / 8), 1, kQ8Threads));
       } else {
         const SwQ8Params p{rows, m.cols, m.cols, m.rows};
         run(m.fmt == WFormat::F32 ? "matmul_f32" : "matmul_bf16",
