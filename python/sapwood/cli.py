@@ -1,4 +1,5 @@
-"""Command line: `sapwood generate PROMPT` (and `sapwood bench ...`, see bench/).
+"""Command line: `sapwood generate PROMPT`, `sapwood serve [MODEL]` (docs/server.md) and
+`sapwood bench ...` (see bench/).
 
 Any failure is reported on one line of standard error with exit code 1 (2: the command line
 itself is wrong, as argparse reports it); `--debug` shows the traceback instead.
@@ -98,6 +99,47 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def cmd_serve(a) -> int:
+    from . import server  # without the server extra: an ImportError saying how to install it
+
+    st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
+                      cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
+                      backend=a.backend, threads=a.threads, model_id=a.model_id)
+    if a.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
+              "authentication", file=sys.stderr)
+    server.run(st, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="default",
+                   help="checkpoint directory, or 'default' for the bundled pair (default)")
+    p.add_argument("--drafter", default=None,
+                   help="'lookup', 'default', a draft checkpoint directory; default: the "
+                        "model's attached draft, else lookup")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--parallel", type=int, default=1,
+                   help="slots: requests decoded at once (each slot holds its own copy of the "
+                        "weights today, see docs/server.md)")
+    p.add_argument("--max-context", type=int, default=4096)
+    p.add_argument("--cache-mb", type=float, default=256,
+                   help="byte budget of the turn-end snapshots that let a chat's next turn skip "
+                        "its prefill (0: off)")
+    p.add_argument("--queue", type=int, default=64,
+                   help="choices that may wait for a slot; past that requests get 503")
+    p.add_argument("--backend", default="cpu", help="engine backend (passed to sapwood.load)")
+    p.add_argument("--weights", default="q8", choices=["f32", "bf16", "q8", "q4"])
+    p.add_argument("--kv", default="int8", choices=["int8", "f32"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="engine threads per slot (default: the cores shared out between slots)")
+    p.add_argument("--model-id", default=None,
+                   help="the model name clients send (default: 'default' or the directory name)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
 def _bench(name, a) -> int:
     import importlib
 
@@ -115,6 +157,9 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
     _add_generate_args(g)
     g.set_defaults(fn=cmd_generate)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs sapwood[server])")
+    _add_serve_args(sv)
+    sv.set_defaults(fn=cmd_serve)
     b = sub.add_parser("bench", help="benchmarks: ab, width, peers").add_subparsers(dest="bench", required=True)
     ab = b.add_parser("ab", help="two arms side by side (ABBA/BAAB) on the frozen cohort")
     _add_model_args(ab)

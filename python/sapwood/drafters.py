@@ -133,6 +133,15 @@ class ModelDrafter:
         # request's prompt, which the draft model takes in through its own prompt cache
         # (Model._restore_or_prefill) as the target does
         self.prompt_cache_len = 0
+        self._resumed = 0  # resume(): context tokens the next sync counts as restored
+
+    def resume(self, snapshot) -> None:
+        """Start from a snapshot of this draft's engine taken after the first
+        snapshot.position tokens of the context to come (a served chat's earlier turn): the
+        next sync prefills only what follows them, and counts them as restored."""
+        self.engine.restore(snapshot)
+        self._synced, self._pending = snapshot.position, []
+        self._resumed = snapshot.position
 
     def set_sampling(self, temperature: float, seed: int) -> None:
         """The request's sampling temperature and seed (0: greedy chain)."""
@@ -140,7 +149,7 @@ class ModelDrafter:
 
     def reset(self) -> None:
         self.engine.reset()
-        self._synced, self._pending = 0, []
+        self._synced, self._pending, self._resumed = 0, [], 0
 
     def sync(self, context: Sequence[int]) -> int:
         """Commit context tokens the draft has not seen (the prompt, or after a reset).
@@ -148,7 +157,8 @@ class ModelDrafter:
         if self._synced > len(context):
             self.reset()
         todo = list(context[self._synced:])
-        restored, n = 0, self.prompt_cache_len
+        restored, n = self._resumed, self.prompt_cache_len
+        self._resumed = 0
         if self._synced == 0 and not self._pending and 0 < n <= len(todo):
             # an identical earlier prompt's state is restored (at 2K tokens the draft's own
             # prefill took ~65 ms on a 2-core Zen 3, twice a 64-token request's decode)

@@ -1,0 +1,107 @@
+"""`sapwood serve`: an OpenAI-compatible server (docs/server.md). Needs the `server` extra:
+pip install "sapwood[server]"."""
+from __future__ import annotations
+
+import os
+
+_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+def missing_extra() -> list:
+    """The server extra's packages that cannot be imported here."""
+    import importlib.util
+
+    return [m for m in _EXTRA if importlib.util.find_spec(m) is None]
+
+
+def _require_extra() -> None:
+    gone = missing_extra()
+    if gone:
+        raise ImportError(f"sapwood serve needs the server extra, missing here: {', '.join(gone)}."
+                          ' Install it with: pip install "sapwood[server]"')
+
+
+_require_extra()
+
+from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
+from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
+from .text import token_bytes_table  # noqa: E402
+
+__all__ = ["build", "create_app", "run", "ServerState"]
+
+
+def _slot_threads(threads, parallel: int):
+    """Engine threads per slot: as asked, else the cores shared out between the slots (one
+    engine's default is every core; N of them would each start that many)."""
+    if threads is not None or parallel == 1:
+        return threads
+    return max(1, (os.cpu_count() or 1) // parallel)
+
+
+def build(model="default", *, drafter=None, parallel: int = 1, max_context: int = 4096,
+          cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
+          backend: str = "cpu", threads=None, model_id: str | None = None,
+          loader=None) -> ServerState:
+    """Load `parallel` slots of `model` and return the server state create_app serves.
+
+    drafter: None (the model's attached draft, else prompt lookup), "lookup", "default" or a
+    draft checkpoint directory. loader(i) -> Model replaces sapwood.load for slot i (tests).
+    """
+    import sapwood
+
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+        raise ValueError(f"parallel={parallel!r}: must be an int >= 1")
+    if not cache_mb >= 0:
+        raise ValueError(f"cache_mb={cache_mb!r}: must be >= 0 (0 turns snapshots off)")
+    if not isinstance(max_queue, int) or max_queue < 0:
+        raise ValueError(f"max_queue={max_queue!r}: must be an int >= 0")
+    n_threads = _slot_threads(threads, parallel)
+    if loader is None:
+        def loader(i):
+            return sapwood.load(model, weights=weights, kv=kv, backend=backend,
+                                threads=n_threads, max_context=max_context)
+    cache = SnapshotCache(int(cache_mb * 2 ** 20))
+
+    def make_slot(i, on_done):
+        m = loader(i)
+        if m.tokenizer is None:
+            raise ValueError(f"{m.path}: no tokenizer.json; the server needs a tokenizer")
+        if not m.chat_template:
+            m.chat_template = FALLBACK_CHAT_TEMPLATE
+        draft = m.draft
+        if drafter not in (None, "lookup"):
+            draft = m.resolve_drafter(drafter).model  # loads the draft checkpoint for this slot
+        default = "lookup" if drafter == "lookup" or draft is None else "model"
+        return Slot(i, m, draft, default, cache, on_done)
+
+    done = []
+    scheduler = Scheduler(make_slot, parallel, cache, max_queue,
+                          on_done=lambda slot, r: done[0](slot, r))
+    first = scheduler.slots[0].model
+    name = model_id or (model if model == "default" else
+                        (first.path.name if first.path is not None else "model"))
+    st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer))
+    done.append(lambda slot, r: st.metrics.choice_done(r))
+    return st
+
+
+def run(st: ServerState, host: str = "127.0.0.1", port: int = 8080, log_level: str = "warning",
+        announce=print) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    shown = f"[{host}]" if ":" in host else host
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # bound: the URL works now
+                announce(f"sapwood serve: http://{shown}:{port}/v1  (model {st.model_id!r}, "
+                         f"{len(st.scheduler.slots)} slot(s), context {st.max_context}, "
+                         f"snapshot cache {st.cache.budget / 2 ** 20:.0f} MiB)", flush=True)
+
+    server = _Server(uvicorn.Config(create_app(st), host=host, port=port, log_level=log_level))
+    try:
+        server.run()
+    finally:
+        st.scheduler.close()

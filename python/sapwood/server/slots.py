@@ -1,0 +1,382 @@
+"""Slots: N engines serving requests side by side, a FIFO scheduler, and turn-end snapshots.
+
+What exists today is one sequence per engine, so a slot is a whole `Model` of its own (its
+engine, its own copy of the weights, its draft model's): `--parallel N` holds N copies. The
+design's slots share one copy of the weights and verify the rows of all active sequences in
+one forward (a forest of trees, the weights read once per round); that needs the C++ forward
+to take several sequences' KV pages and GDN states in one call, behind the backend seam, and
+is not built yet. What does hold already is what the server promises: each slot is entered
+by its own worker thread only, so a request's output is the one it would get served alone.
+
+A request's choices are jobs. Jobs wait in one FIFO queue; a free slot takes the head job
+(the slot that holds a snapshot the job can resume from, if that one is free, else the first
+free slot). A full queue refuses new jobs (the server answers 503); a cancelled job (its
+client went away) stops at its next token and frees its slot.
+"""
+from __future__ import annotations
+
+import queue as queues
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..drafters import ModelDrafter
+from ..generate import DecodeConfig, Decoder, GenerationStats
+from ..reference.ranking import logsumexp
+from ..sampling import SamplingParams
+from .text import TokenText
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One choice of a request. `emit(kind, payload)` is called on the slot's worker thread:
+    ("delta", Delta) as text and tokens are released, then ("done", ChoiceResult) or
+    ("error", exception)."""
+    index: int
+    prompt: list
+    max_tokens: int
+    params: SamplingParams
+    verify: str
+    width: int | None
+    drafter: str | None          # "lookup", "model", or None: the server's default
+    stops: list
+    logprobs: int | None         # None: no logprobs; k >= 0: the token's and the top k
+    emit: object
+    # snapshot the prompt's end too: the next choice of the request resumes there, and so does
+    # a chat's next turn whose template renders this turn's reply as other tokens than it had
+    keep_prompt: bool = True
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    tokens: list                 # ids whose text is complete within the released text
+    logprobs: list               # per token: (logprob, [(id, logprob), ...top]) when asked
+    ends: list                   # per token: where its text ends in the choice's text
+    start: int                   # where the first token's text starts
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    tokens: list
+    text: str
+    finish_reason: str           # "stop" | "length" | "cancelled"
+    logprobs: list
+    stats: GenerationStats
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens restored from a snapshot instead of prefilled
+    prefilled_tokens: int        # prompt tokens the target prefilled
+    seed: int
+    slot: int
+    ends: list = field(default_factory=list)  # per token: where its text ends in `text`
+
+
+def token_logprobs(row, tok: int, top: int):
+    """(log-softmax of `row` at tok, the top `top` (id, log-softmax) pairs, ties to the lower
+    id), in float64 from the engine's float32 logits: the target's own distribution, before
+    temperature, penalties or filters."""
+    x = np.asarray(row, np.float64)
+    z = logsumexp(x)
+    best = []
+    if top:
+        ids = np.argsort(-x, kind="stable")[:top]
+        best = [(int(i), float(x[i] - z)) for i in ids]
+    return float(x[tok] - z), best
+
+
+class _Recorder:
+    """The target engine as the Decoder sees it, keeping the logits rows each emitted token
+    was picked from: the prompt's last row, then per round the rows of the committed path
+    (pick i of a round comes from the row of path node i, DESIGN.md's walk). Rows are kept by
+    reference until their token is emitted."""
+
+    def __init__(self, engine, keep: bool):
+        self._engine, self._keep = engine, keep
+        self._last = None
+        self.rows: deque = deque()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def verify(self, tokens, parents):
+        self._last = self._engine.verify(tokens, parents)
+        return self._last
+
+    def first(self, logits) -> None:
+        if self._keep:
+            self.rows.append(logits)
+
+    def on_round(self, tree, path, seconds) -> None:
+        if self._keep:
+            self.rows.extend(self._last[int(n)] for n in path)
+
+
+@dataclass
+class _Entry:
+    slot: int
+    tokens: tuple
+    target: object
+    draft: object                 # the draft engine's snapshot (its own length) or None
+    logits: object                # the last row at the snapshot when known (a prompt's end)
+    nbytes: int
+
+
+class SnapshotCache:
+    """Engine snapshots at turn ends (and prompt ends), least recently used first out, within
+    a byte budget. A snapshot belongs to the slot whose engine took it: it is restored into
+    that engine only. Sizes are the engine's own count of the state copied (KV pages in use
+    plus GDN state and tape; on the bundled pair within 10% of the resident memory a snapshot
+    adds)."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: _Entry) -> None:
+        if entry.nbytes > self.budget:
+            return
+        with self._lock:
+            key = (entry.slot, entry.tokens)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            self._entries[key] = entry
+            self.bytes += entry.nbytes
+            while self.bytes > self.budget:
+                _, gone = self._entries.popitem(last=False)
+                self.bytes -= gone.nbytes
+
+    def _matches(self, entry: _Entry, ids: list) -> bool:
+        n = len(entry.tokens)
+        return (n < len(ids) or (n == len(ids) and entry.logits is not None)) \
+            and tuple(ids[:n]) == entry.tokens
+
+    def lookup(self, slot: int, ids: list) -> _Entry | None:
+        """The longest entry of `slot` whose tokens begin `ids` (and leave a token to prefill,
+        unless it kept its last logits); marks it recently used."""
+        with self._lock:
+            best = None
+            for key, e in self._entries.items():
+                if e.slot == slot and (best is None or len(e.tokens) > len(best.tokens)) \
+                        and self._matches(e, ids):
+                    best = e
+            if best is not None:
+                self._entries.move_to_end((best.slot, best.tokens))
+            return best
+
+    def best_slot(self, ids: list, slots) -> int | None:
+        """Of `slots`, the one holding the longest snapshot `ids` can resume from."""
+        with self._lock:
+            best, n = None, 0
+            for e in self._entries.values():
+                if e.slot in slots and len(e.tokens) > n and self._matches(e, ids):
+                    best, n = e.slot, len(e.tokens)
+            return best
+
+
+def _snapshot_bytes(engine) -> int:
+    m = engine.memory()
+    return int(m["kv_used_bytes"] + m["gdn_state_bytes"])
+
+
+class Slot:
+    """One engine (a whole Model) and the worker thread that alone enters it."""
+
+    def __init__(self, index: int, model, draft_model, default_drafter: str, cache: SnapshotCache,
+                 on_done):
+        self.index, self.model, self.draft_model = index, model, draft_model
+        self.default_drafter = default_drafter  # "model" or "lookup"
+        self.cache, self._on_done = cache, on_done
+        self._jobs: queues.Queue = queues.Queue(maxsize=1)
+        self.job: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"sapwood-slot-{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def start(self, job: Job) -> None:
+        self.job = job
+        self._jobs.put_nowait(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            result = None
+            try:
+                result = self.run(job)
+            except Exception as e:  # the request fails, the slot goes on
+                job.emit("error", e)
+            else:
+                job.emit("done", result)
+            finally:
+                self.job = None
+                self._on_done(self, result)
+
+    def _drafter(self, kind):
+        kind = kind or self.default_drafter
+        if kind == "model":
+            return self.model.resolve_drafter(self.draft_model)
+        return self.model.resolve_drafter("lookup")
+
+    def _prefill(self, job, ids, drafter, rec, info):
+        eng = self.model.engine
+        hit = self.cache.lookup(self.index, ids) if self.cache.budget else None
+        if hit is None:
+            logits = eng.prefill(ids)
+            info["cached"] = 0
+        else:
+            eng.restore(hit.target)
+            rest = ids[len(hit.tokens):]
+            logits = eng.prefill(rest) if rest else hit.logits
+            info["cached"] = len(hit.tokens)
+            if hit.draft is not None and isinstance(drafter, ModelDrafter):
+                drafter.resume(hit.draft)
+        info["prefilled"] = len(ids) - info["cached"]
+        rec.first(logits)
+        if job.keep_prompt and self.cache.budget:
+            self._keep(tuple(ids), None, logits)
+        return logits
+
+    def _keep(self, tokens: tuple, drafter, logits=None) -> None:
+        eng = self.model.engine
+        if eng.position != len(tokens):
+            return
+        nbytes = _snapshot_bytes(eng)
+        draft = None
+        if isinstance(drafter, ModelDrafter) and 0 < drafter.engine.position <= len(tokens):
+            draft = drafter.engine.snapshot()
+            nbytes += _snapshot_bytes(drafter.engine)
+        if logits is not None:
+            nbytes += logits.nbytes
+        self.cache.put(_Entry(self.index, tokens, eng.snapshot(), draft, logits, nbytes))
+
+    def run(self, job: Job) -> ChoiceResult:
+        model = self.model
+        cfg = DecodeConfig(max_tokens=job.max_tokens, params=job.params, verify=job.verify,
+                           width=job.width, stop_ids=model.eos_ids()).validate()
+        drafter = None if cfg.verify == "off" else self._drafter(job.drafter)
+        model.engine.reset()
+        rec = _Recorder(model.engine, keep=job.logprobs is not None)
+        dec = Decoder(rec, drafter, cfg, rule=model.width_rule(drafter), on_round=rec.on_round)
+        info: dict = {}
+        text = TokenText(model.decode, job.stops)
+        tokens, logprobs, finish = [], [], None
+        sent_text, sent_tok = 0, 0
+        gen = dec.run(job.prompt, lambda ids: self._prefill(job, ids, drafter, rec, info))
+        try:
+            for tok in gen:
+                tokens.append(tok)
+                if job.logprobs is not None:
+                    logprobs.append(token_logprobs(rec.rows.popleft(), tok, job.logprobs))
+                if text.push(tok):
+                    finish = "stop"
+                    break
+                if job.cancelled.is_set():
+                    finish = "cancelled"
+                    break
+                sent_text, sent_tok = self._release(job, text, tokens, logprobs, sent_text,
+                                                    sent_tok)
+        finally:
+            gen.close()
+        if finish is None:
+            finish = "stop" if dec.finish_reason == "stop" else "length"  # eos; length, context
+            text.flush()
+        if finish != "cancelled":
+            self._release(job, text, tokens, logprobs, sent_text, sent_tok)
+            if self.cache.budget:
+                self._keep(tuple(dec.context), drafter)
+        kept = text.kept_tokens()
+        dec.stats.tokens = kept
+        return ChoiceResult(job.index, tokens[:kept], text.text[:text.released], finish,
+                            logprobs[:kept], dec.stats, len(job.prompt), info.get("cached", 0),
+                            info.get("prefilled", 0), int(job.params.seed), self.index,
+                            text.ends[:kept])
+
+    @staticmethod
+    def _release(job, text, tokens, logprobs, sent_text, sent_tok):
+        """Emit the text and the tokens released since the last call; the new counts."""
+        n = text.kept_tokens()
+        if text.released > sent_text or n > sent_tok:
+            job.emit("delta", Delta(job.index, text.text[sent_text:text.released],
+                                    tokens[sent_tok:n], logprobs[sent_tok:n],
+                                    text.ends[sent_tok:n], text.ends[sent_tok - 1] if sent_tok else 0))
+        return max(sent_text, text.released), max(sent_tok, n)
+
+
+class Scheduler:
+    """FIFO admission of jobs to slots; see the module docstring."""
+
+    def __init__(self, slots_factory, parallel: int, cache: SnapshotCache, max_queue: int,
+                 on_done=None):
+        self.cache, self.max_queue = cache, int(max_queue)
+        self._lock = threading.Lock()
+        self._queue: deque = deque()
+        self._on_done = on_done
+        self.slots = [slots_factory(i, self._done) for i in range(parallel)]
+        self._idle = list(self.slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        return len(self.slots) - len(self._idle)
+
+    def submit(self, jobs) -> None:
+        """Queue a request's jobs, all or none; QueueFull when they do not fit."""
+        with self._lock:
+            waiting = sum(not j.cancelled.is_set() for j in self._queue)
+            if waiting + len(jobs) > self.max_queue + len(self._idle):
+                raise QueueFull(f"{waiting} requests are waiting (the queue holds "
+                                f"{self.max_queue}); try again later")
+            self._queue.extend(jobs)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._queue and self._idle:
+            job = self._queue.popleft()
+            if job.cancelled.is_set():
+                continue
+            pick = self.cache.best_slot(job.prompt, {s.index for s in self._idle}) \
+                if self.cache.budget else None
+            slot = next((s for s in self._idle if s.index == pick), self._idle[0])
+            self._idle.remove(slot)
+            slot.start(job)
+
+    def _done(self, slot: Slot, result) -> None:
+        if self._on_done is not None:
+            self._on_done(slot, result)
+        with self._lock:
+            self._idle.append(slot)
+            self._idle.sort(key=lambda s: s.index)
+            self._dispatch()
+
+    def close(self) -> None:
+        with self._lock:
+            for j in self._queue:
+                j.cancelled.set()
+            self._queue.clear()
+        for s in self.slots:
+            if s.job is not None:
+                s.job.cancelled.set()
+            s.stop()
