@@ -26,7 +26,7 @@ from ..drafters import ModelDrafter
 from ..generate import DecodeConfig, Decoder, GenerationStats
 from ..reference.ranking import logsumexp
 from ..sampling import SamplingParams
-from .text import TokenText
+from ..textstream import IncrementalText
 
 
 class QueueFull(Exception):
@@ -234,7 +234,9 @@ class Slot:
     def _drafter(self, kind):
         kind = kind or self.default_drafter
         if kind == "model":
-            return self.model.resolve_drafter(self.draft_model)
+            d = self.model.resolve_drafter(self.draft_model)
+            d.reset()  # a fresh request: the draft's state is restored or prefilled anew
+            return d
         return self.model.resolve_drafter("lookup")
 
     def _prefill(self, job, ids, drafter, rec, info):
@@ -271,6 +273,17 @@ class Slot:
 
     def run(self, job: Job) -> ChoiceResult:
         model = self.model
+        claimed = [model] + ([self.draft_model] if self.draft_model is not None else [])
+        for m in claimed:  # only this slot's thread enters them; the claim says so loudly
+            m._claim()
+        try:
+            return self._run(job)
+        finally:
+            for m in claimed:
+                m._release()
+
+    def _run(self, job: Job) -> ChoiceResult:
+        model = self.model
         cfg = DecodeConfig(max_tokens=job.max_tokens, params=job.params, verify=job.verify,
                            width=job.width, stop_ids=model.eos_ids()).validate()
         drafter = None if cfg.verify == "off" else self._drafter(job.drafter)
@@ -278,48 +291,55 @@ class Slot:
         rec = _Recorder(model.engine, keep=job.logprobs is not None)
         dec = Decoder(rec, drafter, cfg, rule=model.width_rule(drafter), on_round=rec.on_round)
         info: dict = {}
-        text = TokenText(model.decode, job.stops)
+        # the text as Model.generate grows it: held back while it may end in a stop string
+        text = IncrementalText(model.tokenizer, job.stops)
         tokens, logprobs, finish = [], [], None
-        sent_text, sent_tok = 0, 0
+        sent = (0, 0)  # characters and tokens emitted
         gen = dec.run(job.prompt, lambda ids: self._prefill(job, ids, drafter, rec, info))
         try:
             for tok in gen:
                 tokens.append(tok)
                 if job.logprobs is not None:
                     logprobs.append(token_logprobs(rec.rows.popleft(), tok, job.logprobs))
-                if text.push(tok):
+                text.push(tok)
+                if text.stop_at >= 0:
                     finish = "stop"
                     break
                 if job.cancelled.is_set():
                     finish = "cancelled"
                     break
-                sent_text, sent_tok = self._release(job, text, tokens, logprobs, sent_text,
-                                                    sent_tok)
+                shown = len(text.text) - text.held_chars() if job.stops else len(text.text)
+                sent = self._release(job, text, shown, text.safe_tokens(), tokens, logprobs, sent)
         finally:
             gen.close()
-        if finish is None:
-            finish = "stop" if dec.finish_reason == "stop" else "length"  # eos; length, context
-            text.flush()
+        if finish == "stop":
+            body, kept = text.text[:text.stop_at], text.tokens_before(text.stop_at)
+        else:
+            # the end: the whole output, a last unfinished character included (as generate)
+            body, kept = model.decode(tokens), len(tokens)
+            if finish is None:
+                finish = "stop" if dec.finish_reason == "stop" else "length"  # eos; length, context
+        ends = (text.ends + [len(body)] * len(tokens))[:kept]
         if finish != "cancelled":
-            self._release(job, text, tokens, logprobs, sent_text, sent_tok)
+            self._release(job, text, len(body), kept, tokens, logprobs, sent, body, ends)
             if self.cache.budget:
                 self._keep(tuple(dec.context), drafter)
-        kept = text.kept_tokens()
         dec.stats.tokens = kept
-        return ChoiceResult(job.index, tokens[:kept], text.text[:text.released], finish,
-                            logprobs[:kept], dec.stats, len(job.prompt), info.get("cached", 0),
-                            info.get("prefilled", 0), int(job.params.seed), self.index,
-                            text.ends[:kept])
+        return ChoiceResult(job.index, tokens[:kept], body, finish, logprobs[:kept], dec.stats,
+                            len(job.prompt), info.get("cached", 0), info.get("prefilled", 0),
+                            int(job.params.seed), self.index, ends)
 
     @staticmethod
-    def _release(job, text, tokens, logprobs, sent_text, sent_tok):
-        """Emit the text and the tokens released since the last call; the new counts."""
-        n = text.kept_tokens()
-        if text.released > sent_text or n > sent_tok:
-            job.emit("delta", Delta(job.index, text.text[sent_text:text.released],
-                                    tokens[sent_tok:n], logprobs[sent_tok:n],
-                                    text.ends[sent_tok:n], text.ends[sent_tok - 1] if sent_tok else 0))
-        return max(sent_text, text.released), max(sent_tok, n)
+    def _release(job, text, shown, n, tokens, logprobs, sent, body=None, ends=None):
+        """Emit the text up to `shown` and the first `n` tokens, past what `sent` (characters,
+        tokens) says went out already; the new `sent`."""
+        body = text.text if body is None else body
+        ends = text.ends if ends is None else ends
+        chars, toks = sent
+        if shown > chars or n > toks:
+            job.emit("delta", Delta(job.index, body[chars:shown], tokens[toks:n], logprobs[toks:n],
+                                    ends[toks:n], ends[toks - 1] if toks else 0))
+        return max(chars, shown), max(toks, n)
 
 
 class Scheduler:
