@@ -7,59 +7,37 @@ and 4 slots, and what a chat's second turn saves by resuming from the first turn
 Each slot count gets a fresh server in this process (uvicorn in a thread, a free loopback
 port) and the same requests: the frozen cohort's prompts in turn, greedy, sent by `--clients`
 threads over HTTP (streamed, so time to first token is the first content event). Every
-response's tokens are checked against the same request on a 1-slot server (exactness holds
-across slots, so the tokens must be equal). Caps: --requests per slot count, --time-limit
-seconds per slot count (requests not started by then are not sent, and the run says so).
+response's tokens are checked against the same request run alone (Model.generate,
+verify="off"): exactness holds whatever the slots. Caps: --requests per slot count,
+--time-limit seconds per slot count (requests not started by then are not sent, and the run
+says so). Every engine runs --threads threads (default 1) at every slot count, so the slot
+counts compare the same engines; on a shared, loaded machine a pool of several threads waits
+for whichever of them is descheduled.
 
 The reuse saving: a conversation of two turns whose first prompt is --turn-tokens long, the
 second turn sent to a server with the snapshot cache and to one without (--cache-mb 0),
 alternating ABBA; reported: the second turn's time to first token and its prefilled tokens.
-Memory: resident set size after each server's slots are loaded (every slot holds its own
-copy of the weights today, docs/server.md).
+Memory: the engines' own count of their weights (every slot holds its own copy today,
+docs/server.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import uvicorn
 
+import sapwood
 from sapwood import server
 
 COHORT = Path(__file__).with_name("cohort.json")
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2 ** 20
-
-
-class Live:
-    def __init__(self, st):
-        self.st = st
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uv = uvicorn.Server(uvicorn.Config(server.create_app(st), log_level="error"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.uv.started:
-            time.sleep(0.02)
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        self.st.scheduler.close()
 
 
 def stream_request(url, model_id, body):
@@ -87,11 +65,10 @@ def pct(xs, q):
 
 
 def run_load(a, slots, bodies, want):
-    rss0 = rss_mb()
     st = server.build(a.model, parallel=slots, max_context=a.max_context, cache_mb=0,
-                      max_queue=max(64, a.requests), model_id="bench")
-    mem = rss_mb() - rss0
-    live = Live(st)
+                      max_queue=max(64, a.requests), model_id="bench", threads=a.threads)
+    weights = sum(m.engine.memory()["weights_bytes"] for m in _slot_models(st)) / 2 ** 20
+    live = server.start(st)
     deadline = time.monotonic() + a.time_limit
     try:
         # warm-up: one request per slot, not timed
@@ -109,7 +86,7 @@ def run_load(a, slots, bodies, want):
         wall = time.perf_counter() - t0
     finally:
         live.close()
-    bad = [i for i, (_, _, toks, _) in done if want is not None and toks != want[i]]
+    bad = [i for i, (_, _, toks, _) in done if toks != want[i]]
     tokens = sum(len(toks) for _, (_, _, toks, _) in done)
     lat = [r[1] for _, r in done]
     ttft = [r[0] for _, r in done]
@@ -117,10 +94,7 @@ def run_load(a, slots, bodies, want):
                 tokens=tokens, tokens_per_s=tokens / wall,
                 latency_s={q: pct(lat, q) for q in (50, 90, 99)},
                 ttft_s={q: pct(ttft, q) for q in (50, 90, 99)},
-                mismatches=bad, rss_mb=mem,
-                weights_mb_per_slot=sum(m.engine.memory()["weights_bytes"]
-                                        for m in _slot_models(st)) / slots / 2 ** 20), \
-        [r[2] for _, r in sorted(done)]
+                mismatches=bad, weights_mb=weights)
 
 
 def _slot_models(st):
@@ -135,8 +109,8 @@ def reuse_saving(a, cohort):
     arms = {}
     for name, mb in (("reuse", 256), ("no_reuse", 0)):
         st = server.build(a.model, parallel=1, max_context=a.max_context, cache_mb=mb,
-                          model_id="bench")
-        arms[name] = (st, Live(st))
+                          model_id="bench", threads=a.threads)
+        arms[name] = (st, server.start(st))
     tok = arms["reuse"][0].model
     ids = (tok.encode(text) * (a.turn_tokens // max(1, len(tok.encode(text))) + 1))[:a.turn_tokens]
     rows = {"reuse": [], "no_reuse": []}
@@ -179,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=120, help="seconds per slot count")
+    ap.add_argument("--threads", type=int, default=1, help="engine threads per slot")
     ap.add_argument("--turn-tokens", type=int, default=1024)
     ap.add_argument("--turn-reps", type=int, default=2, help="ABBA blocks of the reuse test")
     ap.add_argument("--out", default=None)
@@ -192,19 +167,25 @@ def main(argv=None) -> int:
                          capture_output=True, text=True).stdout.strip()
     print(f"sapwood serve load test at {rev}, {platform.processor() or platform.machine()}, "
           f"model {a.model}, {a.clients} clients, {a.requests} requests of {a.max_tokens} tokens "
-          "(greedy, verify auto, streamed)")
+          f"(greedy, verify auto, streamed), {a.threads} engine thread(s) per slot")
+    ref = sapwood.load(a.model, max_context=a.max_context, threads=a.threads)
+    solo = {}
+    for b in bodies:  # each request alone: what every response must equal
+        if b["prompt"] not in solo:
+            solo[b["prompt"]] = ref.generate(b["prompt"], max_tokens=a.max_tokens,
+                                             verify="off").tokens
+    want = [solo[b["prompt"]] for b in bodies]
+    del ref
     print(f"{'slots':>5} {'req':>4} {'tok/s':>7} {'lat p50':>8} {'p90':>7} {'p99':>7} "
-          f"{'ttft p50':>9} {'p90':>7} {'RSS MB':>7} {'weights MB/slot':>15}")
-    results, want = [], None
+          f"{'ttft p50':>9} {'p90':>7} {'weights MB':>10}")
+    results = []
     for slots in a.slots:
-        r, toks = run_load(a, slots, bodies, want)
-        if want is None and slots == 1:  # the reference: every later run must give these tokens
-            want = toks if len(toks) == len(bodies) else None
+        r = run_load(a, slots, bodies, want)
         results.append(r)
         print(f"{slots:>5} {r['requests']:>4} {r['tokens_per_s']:>7.1f} "
               f"{r['latency_s'][50] * 1e3:>6.0f}ms {r['latency_s'][90] * 1e3:>5.0f}ms "
               f"{r['latency_s'][99] * 1e3:>5.0f}ms {r['ttft_s'][50] * 1e3:>7.0f}ms "
-              f"{r['ttft_s'][90] * 1e3:>5.0f}ms {r['rss_mb']:>7.1f} {r['weights_mb_per_slot']:>15.1f}"
+              f"{r['ttft_s'][90] * 1e3:>5.0f}ms {r['weights_mb']:>10.1f}"
               + (f"  ({r['skipped']} not sent: time limit)" if r["skipped"] else "")
               + (f"  MISMATCH in {r['mismatches']}" if r["mismatches"] else ""))
     reuse = reuse_saving(a, cohort)

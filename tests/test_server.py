@@ -5,8 +5,6 @@ with == against the log-softmax of the logits plain decoding computes."""
 import importlib.util
 import json
 import os
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +21,6 @@ if _MISSING:
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
-import uvicorn  # noqa: E402
 
 import sapwood  # noqa: E402
 from sapwood import server  # noqa: E402
@@ -61,21 +58,12 @@ def _checkpoints(root):
 
 
 class Live:
-    """A server on a free loopback port, uvicorn in a thread."""
+    """A server on a free loopback port (server.start: uvicorn in a thread) and its clients."""
 
     def __init__(self, st):
         self.st = st
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.uv = uvicorn.Server(uvicorn.Config(server.create_app(st), log_level="error"))
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.uv.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.running = server.start(st)
+        self.url = self.running.url
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
@@ -88,9 +76,7 @@ class Live:
 
     def close(self):
         self.http.close()
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        self.st.scheduler.close()
+        self.running.close()
 
 
 @pytest.fixture(scope="module")

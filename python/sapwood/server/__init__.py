@@ -27,7 +27,7 @@ from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
 from .text import token_bytes_table  # noqa: E402
 
-__all__ = ["build", "create_app", "run", "ServerState"]
+__all__ = ["build", "create_app", "run", "start", "ServerState"]
 
 
 def _slot_threads(threads, parallel: int):
@@ -105,3 +105,48 @@ def run(st: ServerState, host: str = "127.0.0.1", port: int = 8080, log_level: s
         server.run()
     finally:
         st.scheduler.close()
+
+
+class Running:
+    """A server started by `start`: its `url` (http://host:port) and `close()`."""
+
+    def __init__(self, st: ServerState, host: str, port: int, log_level: str):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.st = st
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}"
+        self._uv = uvicorn.Server(uvicorn.Config(create_app(st), log_level=log_level))
+        self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [sock]},
+                                        name="sapwood-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._uv.should_exit = True
+        self._thread.join(timeout=30)
+        self.st.scheduler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start(st: ServerState, host: str = "127.0.0.1", port: int = 0,
+          log_level: str = "error") -> Running:
+    """Serve `st` from a background thread of this process (port 0: a free one) until
+    close(): tests and benchmarks talk to it over real HTTP."""
+    return Running(st, host, port, log_level)
