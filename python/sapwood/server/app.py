@@ -109,7 +109,8 @@ class _Call:
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty)
                 self.jobs.append(Job(i * req.n + j, list(ids), max_tokens, params, opts.verify,
-                                     opts.width, opts.drafter, req.stops(), logprobs, self._emit))
+                                     opts.width, opts.drafter, req.stops(), logprobs, self._emit,
+                                     stream=req.stream))
         self.results: dict[int, ChoiceResult] = {}
         self.error: Exception | None = None
 
@@ -261,16 +262,19 @@ def create_app(st: ServerState) -> FastAPI:
             return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
+            checked = time.monotonic()
             while call.pending:
                 try:
-                    kind, payload = await asyncio.wait_for(call.events.get(), timeout=0.25)
+                    kind, payload = await asyncio.wait_for(call.events.get(), timeout=0.1)
+                    call.take(kind, payload)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - checked >= 0.1:
+                    checked = time.monotonic()
                     if await request.is_disconnected():  # nobody to answer: free the slots
                         call.cancel()
                         m.requests.labels(endpoint, "499").inc()
                         return Response(status_code=499)
-                    continue
-                call.take(kind, payload)
         except asyncio.CancelledError:
             call.cancel()
             raise

@@ -48,6 +48,7 @@ class Job:
     stops: list
     logprobs: int | None         # None: no logprobs; k >= 0: the token's and the top k
     emit: object
+    stream: bool = True          # emit deltas as they come (else only the result)
     # snapshot the prompt's end too: the next choice of the request resumes there, and so does
     # a chat's next turn whose template renders this turn's reply as other tokens than it had
     keep_prompt: bool = True
@@ -336,7 +337,7 @@ class Slot:
         body = text.text if body is None else body
         ends = text.ends if ends is None else ends
         chars, toks = sent
-        if shown > chars or n > toks:
+        if job.stream and (shown > chars or n > toks):
             job.emit("delta", Delta(job.index, body[chars:shown], tokens[toks:n], logprobs[toks:n],
                                     ends[toks:n], ends[toks - 1] if toks else 0))
         return max(chars, shown), max(toks, n)
