@@ -66,7 +66,8 @@ def pct(xs, q):
 
 def run_load(a, slots, bodies, want):
     st = server.build(a.model, parallel=slots, max_context=a.max_context, cache_mb=0,
-                      max_queue=max(64, a.requests), model_id="bench", threads=a.threads)
+                      max_queue=max(64, a.requests), model_id="bench", threads=a.threads,
+                      drafter=a.drafter)
     weights = sum(m.engine.memory()["weights_bytes"] for m in _slot_models(st)) / 2 ** 20
     live = server.start(st)
     deadline = time.monotonic() + a.time_limit
@@ -109,7 +110,7 @@ def reuse_saving(a, cohort):
     arms = {}
     for name, mb in (("reuse", 256), ("no_reuse", 0)):
         st = server.build(a.model, parallel=1, max_context=a.max_context, cache_mb=mb,
-                          model_id="bench", threads=a.threads)
+                          model_id="bench", threads=a.threads, drafter=a.drafter)
         arms[name] = (st, server.start(st))
     tok = arms["reuse"][0].model
     ids = (tok.encode(text) * (a.turn_tokens // max(1, len(tok.encode(text))) + 1))[:a.turn_tokens]
@@ -147,13 +148,15 @@ def reuse_saving(a, cohort):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
+    ap.add_argument("--drafter", default=None, help="as sapwood serve --drafter")
     ap.add_argument("--slots", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=120, help="seconds per slot count")
-    ap.add_argument("--threads", type=int, default=1, help="engine threads per slot")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="engine threads per slot (0: the engine's default, every core, per slot)")
     ap.add_argument("--turn-tokens", type=int, default=1024)
     ap.add_argument("--turn-reps", type=int, default=2, help="ABBA blocks of the reuse test")
     ap.add_argument("--out", default=None)
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
     rev = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
     print(f"sapwood serve load test at {rev}, {platform.processor() or platform.machine()}, "
-          f"model {a.model}, {a.clients} clients, {a.requests} requests of {a.max_tokens} tokens "
+          f"model {a.model} (drafter {a.drafter or 'its own'}), {a.clients} clients, {a.requests} requests of {a.max_tokens} tokens "
           f"(greedy, verify auto, streamed), {a.threads} engine thread(s) per slot")
     ref = sapwood.load(a.model, max_context=a.max_context, threads=a.threads)
     solo = {}

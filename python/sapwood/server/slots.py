@@ -134,9 +134,9 @@ class _Entry:
 class SnapshotCache:
     """Engine snapshots at turn ends (and prompt ends), least recently used first out, within
     a byte budget. A snapshot belongs to the slot whose engine took it: it is restored into
-    that engine only. Sizes are the engine's own count of the state copied (KV pages in use
-    plus GDN state and tape; on the bundled pair within 10% of the resident memory a snapshot
-    adds)."""
+    that engine only. Sizes are the engine's own counts at the snapshot (KV pages in use plus
+    the GDN state and tape capacity), an upper bound of what a snapshot holds: the cache never
+    holds more than its budget."""
 
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
