@@ -1,11 +1,13 @@
 // The GPU device layer's factory (csrc/gpu/device.h) and a test hook into it: _core.gpu_devices()
 // names the devices this build has, _core.gpu_run() runs one kernel on one of them with numpy
 // arrays as buffers, so the Python tests drive any kernel on any device present (the emulated
-// Metal device everywhere, the real one on a Mac) against the numpy oracles.
+// Metal and SYCL devices everywhere, the real ones on a Mac / where a SYCL compiler built sapwood)
+// against the numpy oracles.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -17,22 +19,67 @@
 #if defined(SAPWOOD_HAS_METAL)
 #include "../metal/metal_device.h"
 #endif
+#if defined(SAPWOOD_HAS_SYCL)
+#include <dlfcn.h>
+#endif
 
 namespace py = pybind11;
 
 namespace sapwood::gpu {
+
+#if defined(SAPWOOD_HAS_SYCL)
+// The real SYCL device lives in libsapwood_sycl_device (built by the SYCL compiler, see
+// sycl/sycl_device.cpp), loaded on first use so that `import sapwood` never needs the SYCL
+// runtime: $SAPWOOD_SYCL_DEVICE_LIB, else next to this module, else the build tree's copy.
+struct SyclLib {
+  int (*present)() = nullptr;
+  Device* (*make)(char*, size_t) = nullptr;
+  std::string error;
+};
+const SyclLib& sycl_lib() {
+  static const SyclLib lib = [] {
+    SyclLib l;
+    std::vector<std::string> paths;
+    if (const char* e = std::getenv("SAPWOOD_SYCL_DEVICE_LIB")) paths.push_back(e);
+    Dl_info self{};
+    if (dladdr(reinterpret_cast<void*>(&available_devices), &self) && self.dli_fname) {
+      const std::string me = self.dli_fname;
+      paths.push_back(me.substr(0, me.rfind('/') + 1) + SAPWOOD_SYCL_DEVICE_NAME);
+    }
+    paths.push_back(SAPWOOD_SYCL_DEVICE_PATH);
+    for (const std::string& path : paths) {
+      void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (!h) {
+        l.error += std::string(l.error.empty() ? "" : "; ") + dlerror();
+        continue;
+      }
+      l.present = reinterpret_cast<int (*)()>(dlsym(h, "sapwood_sycl_device_present"));
+      l.make = reinterpret_cast<Device* (*)(char*, size_t)>(dlsym(h, "sapwood_make_sycl_device"));
+      if (l.present && l.make) return l;
+      l.error += "; " + path + " lacks the sapwood_*_sycl_device entry points";
+    }
+    return l;
+  }();
+  return lib;
+}
+#endif
 
 std::vector<std::string> available_devices() {
   std::vector<std::string> out;
 #if defined(SAPWOOD_HAS_METAL)
   if (metal_device_present()) out.push_back("metal");
 #endif
+#if defined(SAPWOOD_HAS_SYCL)
+  if (sycl_lib().present && sycl_lib().present()) out.push_back("sycl");
+#endif
   out.push_back("metal-emulated");
+  out.push_back("sycl-emulated");
   return out;
 }
 
 std::unique_ptr<Device> make_device(const std::string& name) {
   if (name == "metal-emulated") return make_emulated_metal_device();
+  if (name == "sycl-emulated") return make_emulated_sycl_device();
   if (name == "metal") {
 #if defined(SAPWOOD_HAS_METAL)
     return make_metal_device();
@@ -42,8 +89,21 @@ std::unique_ptr<Device> make_device(const std::string& name) {
         "(xcrun metal); reinstall there with `pip install .`");
 #endif
   }
-  if (name == "sycl" || name == "sycl-emulated")
-    throw std::runtime_error("device '" + name + "' is not in this build (the SYCL device layer is not built yet)");
+  if (name == "sycl") {
+#if defined(SAPWOOD_HAS_SYCL)
+    const SyclLib& lib = sycl_lib();
+    if (!lib.make)
+      throw std::runtime_error("device 'sycl': cannot load the SYCL device library (" + lib.error +
+                               "); is the SYCL runtime (oneAPI's setvars.sh, or AdaptiveCpp) on the library path?");
+    char error[512] = "";
+    if (Device* d = lib.make(error, sizeof error)) return std::unique_ptr<Device>(d);
+    throw std::runtime_error(std::string("device 'sycl': ") + error);
+#else
+    throw std::runtime_error(
+        "device 'sycl' is not in this build: it needs a SYCL 2020 compiler (icpx from oneAPI, or "
+        "AdaptiveCpp's acpp) on PATH at build time; reinstall with `pip install .` there");
+#endif
+  }
   std::string known;
   for (const std::string& d : available_devices()) known += (known.empty() ? "" : ", ") + d;
   throw std::runtime_error("unknown GPU device '" + name + "'; this build has: " + known);
@@ -154,10 +214,14 @@ void bind_gpu(py::module_& m) {
         "so outputs land in place; the same array object twice binds one buffer twice) or bytes (a constant block); groups are threadgroups per grid "
         "(1 to 3 dims), threads per threadgroup, threadgroup_bytes[i] sizes [[threadgroup(i)]]. "
         "Errors name the kernel.");
-  m.def("gpu_emulated_kernels", [] {
+  m.def("gpu_emulated_kernels", [](const std::string& dev) {
+    SW_CHECK(dev == "metal-emulated" || dev == "sycl-emulated", "gpu_emulated_kernels: device must be "
+             "'metal-emulated' or 'sycl-emulated', got '", dev, "'");
     std::map<std::string, std::string> out;
-    for (const auto& [name, kinds] : gpu::emulated_metal_kernels()) out[name] = kinds;
+    for (const auto& [name, kinds] : dev == "metal-emulated" ? gpu::emulated_metal_kernels() : gpu::emulated_sycl_kernels())
+      out[name] = kinds;
     return out;
-  }, "The emulated Metal device's registry: kernel name -> one letter per parameter (b buffer, "
-     "t threadgroup memory, g/i/l/s/n the position built-ins; emu/emu_device.hpp).");
+  }, py::arg("device") = "metal-emulated",
+     "An emulated device's registry: kernel name -> one letter per parameter (b buffer, t threadgroup "
+     "memory, g/i/l/s/n the position built-ins; the SYCL device lists its b and t only; emu/emu_device.hpp).");
 }

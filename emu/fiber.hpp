@@ -19,7 +19,7 @@
 // Context switch: hand-written for x86-64 and AArch64 (callee-saved registers + stack pointer,
 // ~10 ns); elsewhere, or with -DSW_EMU_UCONTEXT, ucontext (portable, ~10x slower: it saves the
 // signal mask with a syscall).
-// Not thread-safe: one launch at a time per process (the tests call it from one thread).
+// Not thread-safe: one launch at a time per Runner; runner() gives each OS thread its own.
 #pragma once
 
 #if defined(SW_EMU_UCONTEXT) || !(defined(__x86_64__) || defined(__aarch64__))
@@ -68,6 +68,9 @@ struct ThreadCtx {
 #ifndef SW_EMU_USE_UCONTEXT
 extern "C" void sw_emu_switch(void** save_sp, void* to_sp);
 extern "C" void sw_emu_trampoline();
+// SW_EMU_SWITCH_ELSEWHERE: another translation unit of the same binary defines the two routines
+// (in _core, the emulated Metal and SYCL devices share one set).
+#ifndef SW_EMU_SWITCH_ELSEWHERE
 // switch: push the callee-saved registers, save sp, load the other sp, pop, return. A new
 // fiber's stack is prepared so that the first switch "returns" into the trampoline, which calls
 // the entry function (second saved register) with its argument (first saved register).
@@ -136,6 +139,7 @@ asm(".text\n.p2align 2\n" SW_FUNC(sw_emu_switch) R"(
   brk #0
 )" SW_END(sw_emu_trampoline));
 #endif
+#endif  // SW_EMU_SWITCH_ELSEWHERE
 #endif
 
 class Runner {
@@ -408,9 +412,10 @@ class Runner {
   int n_stacks_ = 0;
 };
 
-// The one runner of this shared object (see "Not thread-safe" above).
+// This thread's runner (a Runner is not thread-safe, see above): the emulated Metal and SYCL
+// devices share one shared object, and a dispatch on each from two threads must not meet.
 inline Runner& runner() {
-  static Runner r;
+  static thread_local Runner r;
   return r;
 }
 

@@ -7,11 +7,17 @@
 // using it.get_local_id(0), it.get_group(0), it.get_local_range(0), it.get_group_range(0);
 // everything else goes through swsycl:: below. One-dimensional nd_ranges only: the host
 // linearises the group grid and the kernel decodes it. Sub-groups are 32 wide
-// (reqd_sub_group_size(32) on every kernel).
+// (reqd_sub_group_size(32) on every kernel), and a float sum over a sub-group is the explicit
+// xor butterfly of sg_sum below, the same association on every device and in the emulator
+// (sycl/README.md "Sub-groups and the canonical order").
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+namespace swsycl {
+constexpr int kSimd = 32;  // the sub-group size every kernel requires and is written for
+}
 
 #ifdef SW_SYCL_EMU
 #include "sycl_emu.hpp"  // emu/: emulated nd_item, sub-group collectives, barrier, math
@@ -22,13 +28,27 @@ template <class It> inline void barrier(const It& it) { sycl::group_barrier(it.g
 template <class It> inline int sg_lane(const It& it) { return int(it.get_sub_group().get_local_linear_id()); }
 template <class It> inline int sg_index(const It& it) { return int(it.get_sub_group().get_group_linear_id()); }
 template <class It> inline int sg_count(const It& it) { return int(it.get_sub_group().get_group_linear_range()); }
-template <class It, class T> inline T sg_sum(const It& it, T x) {
-  return sycl::reduce_over_group(it.get_sub_group(), x, sycl::plus<T>());
+template <class It, class T> inline T sg_shuffle(const It& it, T x, int src_lane) {
+  return sycl::select_from_group(it.get_sub_group(), x, src_lane);
 }
-template <class It, class T> inline T sg_max(const It& it, T x) {
+template <class It, class T> inline T sg_shuffle_xor(const It& it, T x, int mask) {
+  return sycl::permute_group_by_xor(it.get_sub_group(), x, mask);
+}
+template <class It, class T> inline T sg_max(const It& it, T x) {  // exact in any order
   return sycl::reduce_over_group(it.get_sub_group(), x, sycl::maximum<T>());
 }
+// The canonical sub-group sum: an xor butterfly over the 32 lanes (masks 16, 8, 4, 2, 1).
+// Lane 0 computes ((x0 + x16) + (x8 + x24)) + ..., and every lane ends with the same bits (each
+// step adds the same two values, in either order). Written out instead of reduce_over_group,
+// whose association is the implementation's; emu/sycl_emu.hpp runs the same butterfly.
+template <class It, class T> inline T sg_sum(const It& it, T x) {
+  for (int m = kSimd / 2; m >= 1; m /= 2) x = x + sg_shuffle_xor(it, x, m);
+  return x;
+}
 inline float exp(float x) { return sycl::exp(x); }
+inline float log(float x) { return sycl::log(x); }
+inline float sqrt(float x) { return sycl::sqrt(x); }
+inline float bits_to_float(uint32_t b) { return sycl::bit_cast<float>(b); }
 inline float fma(float a, float b, float c) { return sycl::fma(a, b, c); }
 inline float rint(float x) { return sycl::rint(x); }
 inline float rsqrt(float x) { return sycl::rsqrt(x); }
@@ -38,9 +58,10 @@ inline float fmin(float a, float b) { return sycl::fmin(a, b); }
 }  // namespace swsycl
 #endif
 
+
 namespace swsycl {
 
-constexpr int kSimd = 32, kKVGroup = 32, kAttnTile = 32, kAttnMaxP = 4, kMaxHeadDim = 256;
+constexpr int kKVGroup = 32, kAttnTile = 32, kAttnMaxP = 4, kMaxHeadDim = 256;
 constexpr int kGDNMaxDK = 128, kGDNMaxW = 256, kGDNMaxK = 8, kGDNWindowThreads = 256;
 constexpr int kQ8MaxRows = 16, kQ8Threads = 256;
 constexpr float kNegBig = -1.0e30f;  // "no key yet"; finite so fast-math builds stay exact

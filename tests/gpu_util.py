@@ -62,6 +62,12 @@ def _sources(api: str, kind: str, first: Path | None):
     dirs = ([first] if first else []) + [own] + ([EMU] if kind == "selftest" else [])
     files = sorted(p for p in EMU.rglob("*") if p.is_file())
     files += sorted(p for p in own.iterdir() if p.suffix in (".h", ".hpp"))
+    if kind == "device" and api == "sycl":  # every sycl/ source (an edited one first), Metal's blocks
+        dirs += [METAL, ROOT / "csrc"]
+        names = sorted(p.name for p in SYCL.iterdir() if p.suffix in (".hpp", ".cpp"))
+        files += [next(d / n for d in dirs if (d / n).exists()) for n in names]
+        files += [METAL / "sw_common.h", ROOT / "csrc" / "gpu" / "device.h"]
+        return dirs, files
     if kind == "device":  # the whole registry: every .metal (an edited one first), the device layer
         dirs.append(ROOT / "csrc")
         names = sorted({p.name for d in dirs[:-1] for p in d.glob("*.metal")})
@@ -333,13 +339,14 @@ def run(device, kernel, args, groups, threads, threadgroup_bytes=()):
 
 
 class EmulatedDevice:
-    """emu/metal_device.cpp built by build() (launch_device.cpp) with the kernel sources of
-    `override` found before metal/: how the mutation tests run an edited kernel through the same
-    registry and binding as _core's emulated device."""
+    """emu/metal_device.cpp (api "metal") or emu/sycl_device.cpp (api "sycl") built by build()
+    (launch_device.cpp) with the kernel sources of `override` found before metal/ or sycl/: how
+    the mutation tests run an edited kernel through the same registry and binding as _core's
+    emulated device."""
 
-    def __init__(self, override: Path | None = None):
-        self.lib = _Lib(build("metal", "device", override))
-        self.name = f"emulated({override.name if override else 'metal'})"
+    def __init__(self, override: Path | None = None, api: str = "metal"):
+        self.lib = _Lib(build(api, "device", override))
+        self.name = f"emulated({override.name if override else api})"
 
     def __repr__(self):
         return self.name

@@ -534,11 +534,14 @@ def _sycl_include():
 
 @pytest.mark.skipif(_sycl_include() is None,
                     reason="SYCL headers not found: pip install --no-deps intel-sycl-rt==2026.2.0 (or set SAPWOOD_SYCL_INCLUDE)")
-def test_sycl_sources_type_check_against_real_headers():
-    """g++ -fsyntax-only of the SYCL host backend, which instantiates every kernel template with
-    the real sycl::nd_item<1> inside parallel_for: the kernels are valid SYCL 2020 as written."""
+@pytest.mark.parametrize("source", ["sycl_backend.cpp", "sycl_device.cpp"])
+def test_sycl_sources_type_check_against_real_headers(source):
+    """g++ -fsyntax-only of the SYCL hosts: sycl_device.cpp (the device layer's op table) and
+    sycl_backend.cpp instantiate every kernel template with the real sycl::nd_item<1> inside
+    parallel_for, so the kernels and the queue code are valid SYCL 2020 as written."""
     cmd = [gu.CXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", "-Wno-attributes",
            "-Wno-deprecated-declarations", "-DSYCL_DISABLE_FSYCL_SYCLHPP_WARNING",
-           f"-isystem{_sycl_include()}", f"-I{gu.SYCL}", str(gu.SYCL / "sycl_backend.cpp")]
+           f"-isystem{_sycl_include()}", f"-I{gu.SYCL}", f"-I{gu.METAL}", f"-I{gu.ROOT / 'csrc'}",
+           str(gu.SYCL / source)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]

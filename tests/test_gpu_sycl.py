@@ -1,0 +1,235 @@
+"""The SYCL device layer (emu/sycl_device.cpp over sycl/sycl_ops.hpp): the sycl/*.hpp kernels
+behind the Metal kernel names, argument order and launch shape. What is SYCL-specific is here;
+the op oracles (tests/test_gpu_ops.py) and the four families' bitwise checks
+(tests/test_gpu_device.py) already run on "sycl-emulated" through _core.gpu_devices().
+
+- the registry is the Metal kernels', with their buffer and threadgroup-memory counts;
+- every kernel gives the same bits on both emulated devices (the ports keep Metal's
+  arithmetic and reduction trees; any difference is a drifted port);
+- the canonical sub-group sum is the documented xor butterfly (sycl/README.md), bit for bit;
+- a Metal launch the SYCL twin cannot translate is refused with the grid it needed;
+- mutants of the SYCL sources (a barrier, a shuffle, a sub-group sum, a lane leaving early)
+  make the oracle cases fail, so the emulator sees SYCL-side defects too.
+"""
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import gpu_util as gu
+import test_gpu_ops as op_cases  # the oracle cases, reused by the mutants (not collected here)
+from sapwood import _core
+from sapwood.reference import quant
+from test_gpu_device import source_signatures
+
+SYCL, METAL = "sycl-emulated", "metal-emulated"
+
+
+def test_registry_is_the_metal_kernels():
+    src = source_signatures()
+    reg = _core.gpu_emulated_kernels(SYCL)
+    assert set(reg) == set(src), (set(src) - set(reg), set(reg) - set(src))
+    for name, kinds in src.items():
+        assert reg[name] == "b" * kinds.count("b") + "t" * kinds.count("t"), name
+    with pytest.raises(ValueError, match="device must be 'metal-emulated' or 'sycl-emulated', got 'sycl'"):
+        _core.gpu_emulated_kernels("sycl")
+
+
+# ---------------------------------------------------------------- the same bits as Metal's
+
+def f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def cases(rng):
+    """{kernel: (args, groups, threads, threadgroup_bytes)} for every kernel the four families'
+    tests do not already compare bitwise (tests/test_gpu_device.py)."""
+    vocab, hidden, n = 40, 200, 5
+    tokens = np.array([3, 0, 39, 3, 40], np.int32)  # the last is outside the table
+    w = f32(rng, vocab, hidden)
+    q8, s8 = quant.q8_weights(w)
+    q4, s4 = quant.q4_weights(w)
+    emb = lambda *tab, pad: ([tokens, *tab, np.zeros((n, hidden), np.float32), gu.pack(n, hidden, pad, vocab)], n, 64, [])
+    c = {
+        "embed_rows_f32": emb(w, pad=hidden),
+        "embed_rows_bf16": emb(quant.to_bf16(w), pad=hidden),
+        "embed_rows_q8": emb(q8, s8, pad=q8.shape[1]),
+        "embed_rows_q4": emb(q4, s4, pad=2 * q4.shape[1]),
+    }
+    m = 700
+    x, u = f32(rng, m, scale=4), f32(rng, m)
+    flat = lambda args, count, threads=128: (args, -(-count // threads), threads, [])
+    c["add_inplace"] = flat([x.copy(), u, gu.pack(m, 0, 0, 0)], m)
+    c["silu_mul"] = flat([x, u, np.zeros(m, np.float32), gu.pack(m, 0, 0, 0)], m)
+    c["sigmoid_mul"] = flat([x, u, np.zeros(m, np.float32), gu.pack(m, 0, 0, 0)], m)
+    hq, d = 3, 64
+    c["split_q_gate"] = flat([f32(rng, n, hq * 2 * d), np.zeros((n, hq, d), np.float32),
+                              np.zeros((n, hq, d), np.float32), gu.pack(n, hq, d, 0)], n * hq * d)
+    cs = np.stack([np.cos(f32(rng, n, 8)), np.sin(f32(rng, n, 8))], -1).astype(np.float32)
+    c["rope"] = flat([f32(rng, n, hq, d, scale=3), cs, gu.pack(n, hq, d, 16)], n * hq * 8)
+    hv = 12
+    c["gdn_gates"] = flat([f32(rng, n, 2 * hv, scale=8), f32(rng, hv), -np.abs(f32(rng, hv)),
+                           np.zeros((n, hv), np.float32), np.zeros((n, hv), np.float32), gu.pack(n, hv, 0, 0)], n * hv)
+    c["gather_rows"] = flat([f32(rng, 9, 96), np.array([0, 4, 5, 8, 4], np.int32), np.zeros((5, 96), np.float32),
+                             gu.pack(5, 0, 96, 0)], 5 * 96)
+    rows, out, cols = 5, 43, 300
+    xr = f32(rng, rows, cols)
+    wm = f32(rng, out, cols)
+    c["matmul_f32"] = ([wm, xr, np.zeros((rows, out), np.float32), gu.pack(rows, cols, cols, out)], 6, 256, [])
+    c["matmul_bf16"] = ([quant.to_bf16(wm), xr, np.zeros((rows, out), np.float32), gu.pack(rows, cols, cols, out)],
+                        6, 256, [])
+    wq, ws = quant.q4_weights(wm)
+    xq, xs = quant.quantize_acts(xr, 2 * wq.shape[1])
+    c["q4_matmul"] = ([wq, ws, xq, xs, np.zeros((rows, out), np.float32), gu.pack(rows, 0, 2 * wq.shape[1], out)],
+                      2, 256, [])  # 4 outputs a simdgroup
+    c["rms_norm"] = ([f32(rng, rows, cols, scale=3), f32(rng, cols), np.zeros((rows, cols), np.float32),
+                      gu.pack(rows, cols, 0, 1e-6)], rows, 96, [])
+    logits = rng.integers(-4, 5, (rows, 1000)).astype(np.float32)  # ties
+    logits[1, ::7] = np.nan
+    c["argmax_rows"] = ([logits, np.zeros(rows, np.int32), gu.pack(rows, 1000, 0, 0.0)], rows, 256, [32, 32])
+    c["logsumexp_rows"] = ([f32(rng, rows, 1000, scale=3), np.zeros(rows, np.float32), gu.pack(rows, 1000, 0, 0.0)],
+                           rows, 256, [4 * 256])
+    c["top_k_rows"] = ([logits, np.array([-1, 0, 5, -1, 999], np.int32), np.zeros((rows, 5), np.int32),
+                        np.zeros((rows, 5), np.float32), gu.pack(rows, 1000, 5, 0.0)], rows, 256, [32, 32])
+    return c
+
+
+ALREADY_COMPARED = {"kv_quantize", "tree_attn_partial", "tree_attn_merge", "gdn_conv", "gdn_recur", "gdn_commit",
+                    "gdn_window", "q8_quantize_rows", "q8_matmul"}
+
+
+def test_the_cases_cover_every_kernel():
+    assert set(cases(np.random.default_rng(0))) | ALREADY_COMPARED == set(_core.gpu_emulated_kernels(SYCL))
+
+
+@pytest.mark.parametrize("kernel", sorted(cases(np.random.default_rng(0))))
+def test_same_bits_as_the_metal_kernel(kernel):
+    """Both emulated devices, one launch, every buffer afterwards byte-identical (`==` on bytes,
+    NaN payloads included): the port computes what the Metal kernel computes."""
+    args, groups, threads, tg = cases(np.random.default_rng(7))[kernel]
+    outs = {}
+    for dev in (METAL, SYCL):
+        mine = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        gu.run(dev, kernel, mine, groups, threads, tg)
+        outs[dev] = [a.tobytes() for a in mine if isinstance(a, np.ndarray)]
+    assert outs[METAL] == outs[SYCL]
+    before = [a.tobytes() for a in args if isinstance(a, np.ndarray)]
+    assert outs[SYCL] != before, f"{kernel}: the case writes nothing, so it compares nothing"
+
+
+def butterfly(v):
+    """sycl/sw_sycl_common.hpp sg_sum in numpy: lane l adds lane l ^ m, m = 16, 8, 4, 2, 1."""
+    v = np.asarray(v, np.float32).copy()
+    lanes = np.arange(32)
+    for m in (16, 8, 4, 2, 1):
+        v = (v + v[lanes ^ m]).astype(np.float32)
+    assert (v == v[0]).all()  # every lane holds the same bits
+    return v[0]
+
+
+@pytest.mark.parametrize("dev", [SYCL, METAL])
+def test_sub_group_sum_is_the_documented_butterfly(dev):
+    """matmul_f32 over 32 columns: lane l's sum is the single product x[l] * w[l] (rounded once),
+    so each output is exactly sg_sum of the 32 products. Magnitudes spread over 8 decades make
+    the association visible: a sequential sum differs from the butterfly for most outputs."""
+    rng = np.random.default_rng(11)
+    out = 64
+    x = (rng.standard_normal((1, 32)) * 10.0 ** rng.uniform(-4, 4, 32)).astype(np.float32)
+    w = (rng.standard_normal((out, 32)) * 10.0 ** rng.uniform(-4, 4, (out, 32))).astype(np.float32)
+    y = np.zeros((1, out), np.float32)
+    gu.run(dev, "matmul_f32", [w, x, y, gu.pack(1, 32, 32, out)], out // 8, 256)
+    products = (x * w).astype(np.float32)  # [out, 32]
+    want = np.array([butterfly(p) for p in products], np.float32)
+    assert (y[0] == want).all()
+    sequential = np.array([np.cumsum(p, dtype=np.float32)[-1] for p in products], np.float32)
+    assert (sequential != want).sum() > out // 4, "the case does not tell orders apart"
+
+
+# ---------------------------------------------------------------- launches and errors
+
+def test_grids_the_sycl_twins_cannot_decode_are_refused():
+    x = np.zeros((5, 2, 32), np.float32)
+    kv = [x, np.zeros((5, 2, 32), np.int8), np.zeros((5, 2, 1), np.float32), np.zeros(1, np.int32),
+          gu.pack(5, 2, 32, 0, 0)]
+    with pytest.raises(RuntimeError, match=r"kv_quantize: the SYCL twin decodes the flattened grid with "
+                                           r"n_kv_heads = 2, so the grid must be \(x, 2, 1\), got \(5, 3, 1\)"):
+        gu.run(SYCL, "kv_quantize", kv, (5, 3), 32)
+    gu.run(METAL, "kv_quantize", kv, (5, 3), 32)  # (Metal itself would run it: its y only picks a head)
+    rows = [np.ones((2, 64), np.float32), np.ones(64, np.float32), np.zeros((2, 64), np.float32),
+            gu.pack(2, 64, 0, 1e-6)]
+    with pytest.raises(RuntimeError, match=r"rms_norm: the SYCL twin takes a 1-D grid \(x, 1, 1\), got \(2, 2, 1\)"):
+        gu.run(SYCL, "rms_norm", rows, (2, 2), 32)
+    gu.run(SYCL, "rms_norm", rows, (2, 1, 1), 32)
+    assert np.abs(rows[2] - 1).max() < 1e-6  # ones normalised (eps 1e-6): it ran
+
+
+def test_binding_errors_are_the_metal_devices():
+    """The backend sees one contract: the same checks and messages as metal-emulated."""
+    with pytest.raises(RuntimeError, match="sycl-emulated: no kernel named 'no_such_kernel'"):
+        gu.run(SYCL, "no_such_kernel", [], 1, 32)
+    x = np.zeros((2, 64), np.float32)
+    args = [x, np.zeros((2, 64), np.int8), np.zeros(2, np.float32), gu.pack(2, 64, 64, 0)]
+    for dev in (METAL, SYCL):
+        with pytest.raises(RuntimeError, match="q8_quantize_rows: takes 4 buffer arguments, got 1"):
+            gu.run(dev, "q8_quantize_rows", [x], 2, 256, [32])
+        with pytest.raises(RuntimeError, match="q8_quantize_rows: takes 1 threadgroup memory"):
+            gu.run(dev, "q8_quantize_rows", args, 2, 256)
+        with pytest.raises(RuntimeError, match="q8_quantize_rows: threads .* got 48"):
+            gu.run(dev, "q8_quantize_rows", args, 2, 48, [32])
+        with pytest.raises(RuntimeError, match=r"q8_quantize_rows: buffer\(3\): a constant block of 12 bytes"):
+            gu.run(dev, "q8_quantize_rows", args[:3] + [gu.pack(2, 64, 64)], 2, 256, [32])
+
+
+# ---------------------------------------------------------------- mutants of the SYCL sources
+
+MUTANTS = {
+    # out aliasing x: without the barrier a sub-group writes what another has yet to read
+    "rms_norm-barrier": ("rows.hpp", lambda t: gu.replace_nth_in_code(t, "barrier(it);", 0),
+                         lambda d, rng: op_cases.test_rms_norm(d, rng, 300)),
+    "q4-sg_shuffle": ("q8_matmul.hpp", lambda t: gu.replace_nth_in_code(t, "sg_shuffle(it, v, (lane + 2) % kSimd)", 0, "v"),
+                      lambda d, rng: op_cases.test_int8_matmul_is_the_cpus(d, rng, "q4", 5)),
+    "matmul-sg_sum": ("matmul.hpp", lambda t: t.replace("sg_sum(it, acc[r])", "acc[r]"),
+                      lambda d, rng: op_cases.test_float_matmul(d, rng, "f32", 5)),
+    "top_k-lane-return": ("rows.hpp", lambda t: t.replace("  if (K <= 0) return;", "  if (K <= 0 || tid == 40) return;"),
+                          lambda d, rng: op_cases.test_top_k_rows(d, rng, 300, 3)),
+}
+
+
+@pytest.fixture(scope="module")
+def mutant_devices(tmp_path_factory):
+    """Every mutant's device, built two compilers at a time. Each gets all of sycl/ (quoted
+    includes search the including file's directory first, so an edited header must sit beside
+    the ones that include it)."""
+    if not gu.compiler_available():
+        pytest.skip(f"no {gu.CXX}: mutants are built with it")
+    dirs = {name: tmp_path_factory.mktemp(name) for name in MUTANTS}
+    for name, (src, edit, _) in MUTANTS.items():
+        for p in gu.SYCL.glob("*.hpp"):
+            shutil.copy(p, dirs[name] / p.name)
+        text = (gu.SYCL / src).read_text()
+        (dirs[name] / src).write_text(edit(text))
+        assert (dirs[name] / src).read_text() != text, name
+    with ThreadPoolExecutor(2) as ex:
+        built = list(ex.map(lambda n: gu.EmulatedDevice(dirs[n], api="sycl"), MUTANTS))
+    return dict(zip(MUTANTS, built))
+
+
+def test_unmutated_sycl_harness_passes():
+    """The mutants' harness on the unedited sources passes every case (so a failure below is the
+    mutation's)."""
+    if not gu.compiler_available():
+        pytest.skip(f"no {gu.CXX}")
+    d = gu.EmulatedDevice(api="sycl")
+    for _, _, case in MUTANTS.values():
+        case(d, np.random.default_rng(1234))
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_sycl_mutant_is_caught(mutant_devices, name):
+    with pytest.raises((AssertionError, gu.EmuError)) as e:
+        MUTANTS[name][2](mutant_devices[name], np.random.default_rng(1234))
+    if "return" in name:  # a lane gone before a collective: the emulator's diagnosis, not a wrong number
+        assert "partial simdgroup collective" in str(e.value) and "lane 8 returned" in str(e.value)
