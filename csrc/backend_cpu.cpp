@@ -38,11 +38,14 @@ Act CpuBackend::scratch(int id, size_t n) {
   return host(b.data());
 }
 
+// n == 0 comes with null pointers (an empty vector's data()): memcpy's are then UB (UBSan)
 void CpuBackend::upload(Act dst, const float* src, size_t n) {
-  if (dst.p != src) std::memcpy(dst.p, src, n * sizeof(float));
+  if (n && dst.p != src) std::memcpy(dst.p, src, n * sizeof(float));
 }
 
-void CpuBackend::download(Act src, size_t n, float* dst) { std::memcpy(dst, src.p, n * sizeof(float)); }
+void CpuBackend::download(Act src, size_t n, float* dst) {
+  if (n) std::memcpy(dst, src.p, n * sizeof(float));
+}
 
 void CpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {
   for (int i = 0; i < n; ++i) table.dequant_row(tokens[i], x.p + size_t(i) * table.cols);

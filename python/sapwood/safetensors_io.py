@@ -68,7 +68,7 @@ def read_header(path) -> tuple[dict, int, int]:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise ValueError(f"{where}: entry must have dtype, shape and data_offsets, got {info!r}")
         dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise ValueError(f"{where}: unknown or unsupported dtype {dtype!r} "
                              f"(supported: {', '.join(_DTYPES)})")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):

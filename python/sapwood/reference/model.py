@@ -105,14 +105,20 @@ class ModelConfig:
         Missing fields take Qwen3_5TextConfig's defaults, as transformers would.
         """
         mt = config.get("model_type")
+        if not isinstance(mt, str):
+            raise ValueError(f"config.json: model_type={mt!r}: must be a string; supported: "
+                             f"{', '.join(SUPPORTED_TYPES)}")
         if mt in UNSUPPORTED_TYPES:
             raise ValueError(f"model_type {mt!r}: {UNSUPPORTED_TYPES[mt]}")
         if mt not in SUPPORTED_TYPES:
             raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_TYPES)}")
         c = config
         if mt == "qwen3_5" or "text_config" in config:
-            c = dict(config.get("text_config") or {})
-            if c.get("model_type", "qwen3_5_text") in UNSUPPORTED_TYPES:
+            c = config.get("text_config") or {}
+            if not isinstance(c, dict):
+                raise ValueError(f"config.json: text_config={c!r}: must be an object")
+            c = dict(c)
+            if str(c.get("model_type", "qwen3_5_text")) in UNSUPPORTED_TYPES:
                 return cls.from_dict(c)
             # the top level holds tie_word_embeddings for the composite model; the text one wins
             c.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
