@@ -7,6 +7,7 @@ the op oracles (tests/test_gpu_ops.py) and the four families' bitwise checks
 - every kernel gives the same bits on both emulated devices (the ports keep Metal's
   arithmetic and reduction trees; any difference is a drifted port);
 - the canonical sub-group sum is the documented xor butterfly (sycl/README.md), bit for bit;
+- whole models through GpuBackend give metal-emulated's logits bitwise;
 - a Metal launch the SYCL twin cannot translate is refused with the grid it needed;
 - mutants of the SYCL sources (a barrier, a shuffle, a sub-group sum, a lane leaving early)
   make the oracle cases fail, so the emulator sees SYCL-side defects too.
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 import gpu_util as gu
+import sapwood
 import test_gpu_ops as op_cases  # the oracle cases, reused by the mutants (not collected here)
 from sapwood import _core
 from sapwood.reference import quant
@@ -146,6 +148,24 @@ def test_sub_group_sum_is_the_documented_butterfly(dev):
     assert (y[0] == want).all()
     sequential = np.array([np.cumsum(p, dtype=np.float32)[-1] for p in products], np.float32)
     assert (sequential != want).sum() > out // 4, "the case does not tell orders apart"
+
+
+@pytest.mark.parametrize("weights", ["f32", "q4"])
+def test_whole_model_logits_equal_metal_emulated_bitwise(tmp_path, weights):
+    """GpuBackend over either emulated device: the same kernels' arithmetic, so prefill and
+    16-node tree logits of an irregular tiny model (dk != dv, Hv = 3 Hk) are equal to the bit."""
+    from sapwood.testing import make_tiny_checkpoint
+    from util import random_tree
+    layers = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    make_tiny_checkpoint(tmp_path, seed=3, layers=len(layers), layer_types=layers, hk=2, hv=6, dk=16, dv=32)
+    prompt = np.random.default_rng(0).integers(0, 256, 40).tolist()
+    parents, toks = random_tree(16, 7).tolist(), np.random.default_rng(1).integers(0, 256, 16).tolist()
+    out = {}
+    for dev in (METAL, SYCL):
+        e = sapwood.load(tmp_path, weights=weights, backend=dev).engine
+        out[dev] = (e.prefill(prompt, all_logits=True), e.verify(toks, parents))
+    assert (out[METAL][0] == out[SYCL][0]).all() and (out[METAL][1] == out[SYCL][1]).all()
+    assert np.isfinite(out[SYCL][1]).all() and np.abs(out[SYCL][1]).max() > 0
 
 
 # ---------------------------------------------------------------- launches and errors
