@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--backend", default="auto",
-                   help="auto (Metal on Apple silicon, else cpu), cpu, metal, metal-emulated")
+                   help="auto (Metal on Apple silicon, else cpu), cpu, metal, metal-emulated, sycl, sycl-emulated")
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -26,8 +26,9 @@ KNOWN_BACKENDS = {
     "metal": "it needs macOS on Apple silicon with Xcode's command-line tools (xcrun metal) "
              "when sapwood is built: reinstall there with `pip install --no-binary sapwood sapwood`",
     "metal-emulated": "rebuild sapwood from source (`pip install .`)",
-    "sycl": "it needs a SYCL compiler (icpx or acpp) on PATH when sapwood is built; not built yet",
-    "sycl-emulated": "the SYCL device layer is not built yet",
+    "sycl": "it needs a SYCL compiler (icpx or AdaptiveCpp's acpp) on PATH when sapwood is built: "
+            "reinstall there with `pip install --no-binary sapwood sapwood`",
+    "sycl-emulated": "rebuild sapwood from source (`pip install .`)",
     "cuda": "the CUDA backend is not built yet",
 }
 
@@ -235,8 +236,8 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     threads: engine worker threads; None lets the engine choose.
     max_context: the most tokens a sequence may hold (prompt + generated + tree).
     backend: "auto" (Metal on Apple silicon when built, else "cpu"), "cpu", "metal",
-    "metal-emulated" (the Metal kernels run on the CPU by the emulator: slow, for tests and
-    kernel ports); available_backends() lists what this install has.
+    "metal-emulated" / "sycl-emulated" (the Metal / SYCL kernels run on the CPU by the emulator:
+    slow, for tests and kernel ports), "sycl"; available_backends() lists what this install has.
     """
     backend = resolve_backend(backend)
     check_args(weights, kv, backend, threads, max_context)
