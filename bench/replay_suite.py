@@ -1,49 +1,63 @@
 """The deterministic replay suite: every recording a policy change is judged on, replayed
-through the real decoder on the virtual clock (bench/replay_width.py, `--python-ms`: no real
-time, so two runs of one build print the same digits), summarized in one line each.
+through the real decoder on a virtual clock (bench/replay_width.py with `--python-ms`: no real
+time, so two runs of one build print the same digits), one summary line each.
 
-    python bench/replay_suite.py [--quiet]
+    python bench/replay_suite.py [--quiet] [--only NAME] [--old REV]
 
-- width: the width study's contexts (padded target, depths 1 .. 8K): auto against the best
-  fixed width, later requests and a fresh rule's first, geometric mean and worst context, and
-  the best fixed width's own first request against its later ones;
-- width held out: the same on a recording made after the policy's parameters were chosen
-  (depths 512 and 4096 and 30 held-out prompts, padded/replay_heldout.json);
-- cohort, cohort held out, unpadded: one rule serving every prompt in turn (as `sapwood bench
-  ab` does), auto against the chain.
-The recordings live in bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2): costs are that
-machine's, acceptance the bundled pair's.
+Recordings from two hosts: bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2 only; stops 29-31)
+and bench/results/zen4_vnni/ (a 2-core Zen 4 with AVX-512 VNNI, engine on one thread; issue 39).
+Costs are the recording host's, acceptance the bundled pair's. Each line: auto against the
+best of plain decoding, the chain and every fixed width 1-16, per context (warm: the mean of
+requests after the first; first: a fresh state's first request against the best arm's own
+first, cold against cold; reloaded: auto's first request on a state saved and reloaded
+through JSON, as a second process with the policy cache, against warm auto) and, for the
+cohorts, on the geometric mean over prompts against the best single arm.
+--old REV: the same recordings through the policy of git revision REV (its python/sapwood on
+this install's compiled core), for side-by-side figures.
 """
 import argparse
 import contextlib
 import io
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 import replay_width  # noqa: E402
 from sapwood.benchmarks.common import geomean  # noqa: E402
 
-R = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "zen3_avx2")
-P = os.path.join(R, "padded")
-WIDTH = ["replay_depths_1_2k_8k.json", "replay_depths_mid.json", "replay_depth2k_stop30.json"]
+Z3 = os.path.join(HERE, "results", "zen3_avx2")
+Z4 = os.path.join(HERE, "results", "zen4_vnni")
+PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
+UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
 # name, recordings, replay options (python_ms: the policy's Python a round on that target)
 SUITE = [
-    ("width", [os.path.join(P, f) for f in WIDTH], dict(requests=6, widths="1-16", python_ms=0.4)),
-    ("width held out", [os.path.join(P, "replay_heldout.json")],
-     dict(requests=4, widths="1-16", python_ms=0.4)),
-    ("cohort", [os.path.join(P, "replay_cohort.json")],
-     dict(requests=4, widths="", shared=True, python_ms=0.4)),
-    ("cohort held out", [os.path.join(P, "replay_heldout.json")],
-     dict(requests=4, widths="", shared=True, python_ms=0.4)),
-    ("unpadded cohort", [os.path.join(R, "replay_cohort_unpadded.json")],
-     dict(requests=4, widths="", shared=True, python_ms=0.15, max_tokens=128)),
+    ("avx2 padded depths", [os.path.join(Z3, "padded", f) for f in (
+        "replay_depths_1_2k_8k.json", "replay_depths_mid.json", "replay_depth2k_stop30.json")],
+     PADDED),
+    ("avx2 padded held out", [os.path.join(Z3, "padded", "replay_heldout.json")], PADDED),
+    ("avx2 padded cohort", [os.path.join(Z3, "padded", "replay_cohort.json")],
+     dict(PADDED, shared=True)),
+    ("avx2 padded held-out cohort", [os.path.join(Z3, "padded", "replay_heldout.json")],
+     dict(PADDED, shared=True)),
+    ("avx2 bundled cohort", [os.path.join(Z3, "replay_cohort_unpadded.json")],
+     dict(UNPADDED, shared=True)),
+    ("vnni padded depths", [os.path.join(Z4, "padded", "replay_depths.json")], PADDED),
+    ("vnni padded cohort", [os.path.join(Z4, "padded", "replay_cohort.json")],
+     dict(PADDED, shared=True)),
+    ("vnni bundled depths", [os.path.join(Z4, "replay_depths_unpadded.json")],
+     dict(UNPADDED, max_tokens=64)),
+    ("vnni bundled cohort", [os.path.join(Z4, "replay_cohort_unpadded.json")],
+     dict(UNPADDED, shared=True)),
 ]
 
 
 def run(name, recs, opts, quiet=True) -> str:
-    ratios = {}
+    ratios, cohort = {}, []
     for rec in recs:
         a = SimpleNamespace(rec=rec, requests=4, max_tokens=64, widths="", python_ms=None,
                             one_rule=False, shared=False, trace=None, noise=None)
@@ -54,27 +68,55 @@ def run(name, recs, opts, quiet=True) -> str:
             r = replay_width.replay(a)
         if not quiet:
             print(out.getvalue(), end="")
+        if "cohort" in r:
+            cohort.append((r.pop("cohort"), r.pop("cohort_first")))
         for k, v in r.items():
             ratios.setdefault(k, []).extend(v)
-    g = geomean
-    if ratios["best_later"]:
-        return (f"{name}: auto / best fixed width, later x{g(ratios['best_later']):.3f} (worst "
-                f"x{min(ratios['best_later']):.3f}), first x{g(ratios['best_first']):.3f} (worst "
-                f"x{min(ratios['best_first']):.3f}); the best fixed width's own first x"
-                f"{g(ratios['fixed_first']):.3f}, over {len(ratios['best_later'])} contexts")
-    return (f"{name}: auto / chain, later x{g(ratios['later']):.3f} (worst "
-            f"x{min(ratios['later']):.3f}), first x{g(ratios['first']):.3f} over "
-            f"{len(ratios['later'])} prompts")
+    def gw(k):
+        v = ratios.get(k) or [float("nan")]
+        return f"x{geomean(v):.3f} (worst x{min(v):.3f})"
+    line = (f"{name}: auto / best other arm, warm {gw('later')}, first {gw('first')}, "
+            f"reloaded / warm {gw('persisted')}, over {len(ratios['later'])} contexts")
+    if opts.get("shared") and cohort:
+        c, f = cohort[0]
+        line += f"; cohort geomean / best arm x{c:.3f}, first requests x{f:.3f}"
+    return line
+
+
+def old_package(rev: str) -> str:
+    """A directory holding revision `rev`'s python/sapwood with this install's compiled core."""
+    import sapwood
+
+    d = tempfile.mkdtemp(prefix="sapwood-old-")
+    root = subprocess.run(["git", "-C", HERE, "rev-parse", "--show-toplevel"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    arc = subprocess.run(["git", "-C", root, "archive", rev, "python/sapwood"], check=True,
+                         capture_output=True).stdout
+    subprocess.run(["tar", "x", "-C", d], input=arc, check=True)
+    pkg = os.path.join(d, "python", "sapwood")
+    here = os.path.dirname(sapwood.__file__)
+    for f in os.listdir(here):
+        if f.startswith("_core") and not os.path.exists(os.path.join(pkg, f)):
+            shutil.copy(os.path.join(here, f), pkg)
+    shutil.copytree(os.path.join(here, "data"), os.path.join(pkg, "data"), dirs_exist_ok=True)
+    return os.path.join(d, "python")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quiet", action="store_true", help="the summary lines only")
     ap.add_argument("--only", default=None, help="the lines whose name contains this")
+    ap.add_argument("--old", default=None, help="replay the policy of this git revision instead")
     a = ap.parse_args()
+    if a.old:
+        env = dict(os.environ, PYTHONPATH=old_package(a.old))
+        args = [sys.executable, __file__] + (["--quiet"] if a.quiet else []) + (
+            ["--only", a.only] if a.only else [])
+        sys.exit(subprocess.run(args, env=env).returncode)
     for name, recs, opts in SUITE:
         if a.only is None or a.only in name:
-            print(run(name, recs, opts, quiet=a.quiet), flush=True)
+            if all(os.path.exists(r) for r in recs):
+                print(run(name, recs, opts, quiet=a.quiet), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,16 @@ medians of alternated timings: verify of 1..16 nodes, a draft of 1..8 rows, the 
 catch-up per token.
 replay: a fake engine whose verify returns logits picking the recorded continuation and
 advances the clock by the recorded verify cost; a replay drafter that returns the recorded
-lattice and advances it by the draft cost. The clock is the real one plus those costs, so the
-policy's own Python still counts, measured live (on the bundled target, whose rounds take
-~1 ms, that part stays noisy). Per context: fixed widths (verify="tree"), the chain and auto,
-each `--requests` requests in a row on one WidthRule (as a server's band), the first request
-(a fresh rule) and the mean of the rest in decode tokens/s; over several contexts, auto
-against the chain's geometric mean.
+lattice and advances it by the draft cost. The clock (passed to the decoder) is the real one
+plus those costs, so the policy's own Python still counts, measured live; with --python-ms, no
+real time at all (deterministic). Per context: fixed widths (verify="tree"), plain decoding,
+the chain and auto, each `--requests` requests in a row on one policy state per arm (as a
+server's band), the first request (a fresh state: cold) and the mean of the rest (warm) in
+decode tokens/s, and auto's first request on a state saved after those requests and loaded
+through JSON (a second process with the policy cache). Auto is compared with the best of
+plain, the chain and the best fixed width, warm against warm and cold against cold. The
+policy before issue 39 (its WidthRule) replays too: run this file with that package first on
+PYTHONPATH (bench/replay_suite.py --old).
 """
 import argparse
 import json
@@ -80,7 +84,8 @@ def record(a):
     from sapwood.benchmarks.common import load_cohort
     from sapwood.benchmarks.width import depth_contexts
 
-    model = sapwood.load(a.model, max_context=max(a.depths + [512]) + a.max_tokens + 64)
+    model = sapwood.load(a.model, max_context=max(a.depths + [512]) + a.max_tokens + 64,
+                         threads=a.threads, policy_cache=False)
     d = model.resolve_drafter(a.drafter)
     contexts = []
     if a.depths:
@@ -89,7 +94,7 @@ def record(a):
     if a.prompts:  # a file of {"prompts": [{"id", "text"}]}, as bench/heldout_prompts.json
         contexts += [(p["id"], model._prompt_ids(p["text"]))
                      for p in json.load(open(a.prompts))["prompts"][:a.prompts_n]]
-    out = {"model": a.model, "drafter": a.drafter,
+    out = {"model": a.model, "drafter": a.drafter, "threads": a.threads,
            "contexts": [record_context(model, d, name, prompt, a) for name, prompt in contexts]}
     with open(a.out, "w") as f:
         json.dump(out, f)
@@ -174,21 +179,44 @@ class ReplayDrafter:
         return Lattice(tokens=np.array(toks[:rows], np.int64), logprobs=np.array(lps[:rows]))
 
 
+OLD = hasattr(G, "WidthRule")  # the package on the path is the policy before issue 39
+
+
+def new_state(saved=None):
+    """A fresh policy state for one arm (or one loaded from `saved`, a JSON text of state())."""
+    if OLD:
+        return G.WidthRule()
+    pol = G.Policy()
+    if saved is not None:
+        pol.load_state(json.loads(saved))
+    return pol
+
+
+def saved_state(pol):
+    return None if OLD else json.dumps(pol.state())
+
+
 def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None, noise=None,
                    seed=0) -> float:
-    """One request of `arm` on `rule` (trace: print its rounds, mode width:tokens/ms);
-    returns its decode tokens/s. noise, seed: Clock's."""
+    """One request of `arm` on policy state `rule` (trace: print its rounds, mode
+    width:tokens/ms); returns its decode tokens/s. noise, seed: Clock's."""
     clock = Clock(python_s, noise, seed)
-    G.time = clock  # the decoder's clock (restored by replay())
     vocab = 1 + max(max(rec["seq"]), max(max(max(r) for r in lat[0]) for lat in rec["lattices"]))
     eng, drafter = FakeEngine(rec, clock, vocab), ReplayDrafter(rec, clock)
-    if arm in ("auto", "chain"):
+    if arm in ("auto", "chain", "off"):
         cfg = G.DecodeConfig(max_tokens=max_tokens, verify=arm, width=16)
     else:
         cfg = G.DecodeConfig(max_tokens=max_tokens, verify="tree", width=int(arm))
     log = []
-    dec = G.Decoder(eng, drafter, cfg, rule=rule,
-                    on_round=lambda t, path, sec: log.append((t.width, len(path), sec)))
+    def on_round(t, path, sec):
+        log.append((t.width, len(path), sec))
+    drafter = None if arm == "off" else drafter
+    if OLD:  # its decoder reads the module's clock
+        G.time = clock
+        dec = G.Decoder(eng, drafter, cfg, rule=rule, on_round=on_round)
+    else:
+        dec = G.Decoder(eng, drafter, cfg, policy=rule, on_round=on_round,
+                        clock=clock.perf_counter)
     modes, mode_of = [], dec._mode
     dec._mode = lambda: modes.append(mode_of()) or modes[-1]
     toks = list(dec.run([0] * rec["prompt_len"]))
@@ -200,62 +228,74 @@ def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None, noise
 
 
 def replay(a):
-    """Per arm, `requests` passes over the contexts. Each context has its own WidthRule per
+    """Per arm, `requests` passes over the contexts. Each context has its own policy state per
     arm (a band asked the same prompt again and again, as the width study does), or with
-    --shared one rule per arm serves every context in turn (a server's band of varied prompts,
+    --shared one state per arm serves every context in turn (a server's band of varied prompts,
     as `sapwood bench ab` runs the cohort); --one-rule: the arms share theirs."""
     data = json.load(open(a.rec))
     contexts = data["contexts"]
     noise = None if a.noise is None else np.array(json.load(open(a.noise))["ratios"])
     lo, hi = (int(x) for x in a.widths.split("-")) if a.widths else (1, 0)
-    arms = [str(w) for w in range(lo, hi + 1)] + ["chain", "auto"]
+    arms = [str(w) for w in range(lo, hi + 1)] + ["off", "chain", "auto"]
     rules = {}
     tps = {(c["name"], arm): [] for c in contexts for arm in arms}
+    python_s = None if a.python_ms is None else a.python_ms / 1e3
+    def run(c, i, arm, rule, trace=False):
+        return replay_request(c, arm, rule, min(a.max_tokens, len(c["seq"]) - 1), trace=trace,
+                              python_s=python_s, noise=noise,
+                              # each request its own draws, the same for every arm and run
+                              seed=zlib.crc32(f"{c['name']} {i}".encode()))
     try:
         for i in range(a.requests):
             for c in contexts:
-                n = min(a.max_tokens, len(c["seq"]) - 1)
                 for arm in arms:
                     key = (None if a.shared else c["name"], None if a.one_rule else arm)
-                    rule = rules.setdefault(key, G.WidthRule())
-                    tps[c["name"], arm].append(replay_request(
-                        c, arm, rule, n, trace=a.trace and arm in ("auto", "chain", a.trace),
-                        python_s=None if a.python_ms is None else a.python_ms / 1e3, noise=noise,
-                        # each request its own draws, the same for every arm and run
-                        seed=zlib.crc32(f"{c['name']} {i}".encode())))
+                    rule = rules.setdefault(key, new_state())
+                    tps[c["name"], arm].append(run(
+                        c, i, arm, rule, trace=a.trace and arm in ("auto", "chain", a.trace)))
+        # a second process's first request: auto's state saved after those requests, reloaded
+        persisted = {}
+        saved = {}
+        for c in contexts:
+            key = (None if a.shared else c["name"], None if a.one_rule else "auto")
+            if key not in saved:
+                saved[key] = saved_state(rules[key])
+            if saved[key] is not None:
+                persisted[c["name"]] = run(c, a.requests, "auto", new_state(saved[key]))
     finally:
-        G.time = time
-    ratios = {"first": [], "later": [], "best_first": [], "best_later": [],  # auto / chain, best
-              "fixed_first": []}
+        if OLD:
+            G.time = time
+    ratios = {k: [] for k in ("later", "first", "persisted", "chain_later", "chain_first")}
+    later_of = {}
     for c in contexts:
         rows = {arm: tps[c["name"], arm] for arm in arms}
         later = {k: float(np.mean(v[1:])) for k, v in rows.items()}
-        fixed = arms[:-2]
-        line = (f"{c['name']}: auto {later['auto']:.1f} tok/s, x{later['auto'] / later['chain']:.3f}"
-                f" of the chain (first request x{rows['auto'][0] / rows['chain'][0]:.3f})")
-        ratios["later"].append(later["auto"] / later["chain"])
-        ratios["first"].append(rows["auto"][0] / rows["chain"][0])
-        if fixed:
-            best = max(fixed, key=lambda k: later[k])
-            ratios["best_later"].append(later["auto"] / later[best])
-            # against the fixed width's later requests, as the width study pairs a fresh rule
-            # with a fixed width whose acceptance calibration has seen earlier requests (a fresh
-            # rule's fixed width grows its trees from the prior too: at depth 2K it verified 36
-            # rounds where a calibrated one verified 31, so fresh against fresh read x0.96
-            # where live ran x0.83)
-            ratios["best_first"].append(rows["auto"][0] / later[best])
-            # the best fixed width's own first request (its trees grown from a fresh
-            # calibration): what the first request costs any tree, the rule's choices aside
-            ratios["fixed_first"].append(rows[best][0] / later[best])
-            line += (f"; best fixed w={best} {later[best]:.1f}, auto x{later['auto'] / later[best]:.3f}"
-                     f" (first request x{rows['auto'][0] / later[best]:.3f}; its own first "
-                     f"x{rows[best][0] / later[best]:.3f})\n  fixed: " +
-                     " ".join(f"w{k}:{later[k]:.0f}" for k in fixed))
+        later_of[c["name"]] = later
+        base = [k for k in arms if k != "auto"]
+        best = max(base, key=lambda k: later[k])
+        ratios["later"].append(later["auto"] / later[best])
+        ratios["first"].append(rows["auto"][0] / rows[best][0])  # cold against cold
+        ratios["chain_later"].append(later["auto"] / later["chain"])
+        ratios["chain_first"].append(rows["auto"][0] / rows["chain"][0])
+        line = (f"{c['name']}: auto {later['auto']:.1f} tok/s, best of the others {best} "
+                f"{later[best]:.1f}: auto x{later['auto'] / later[best]:.3f}, first request "
+                f"x{rows['auto'][0] / rows[best][0]:.3f} (cold / cold)")
+        if c["name"] in persisted:
+            ratios["persisted"].append(persisted[c["name"]] / later["auto"])
+            line += f", a reloaded state's first x{persisted[c['name']] / later['auto']:.3f} of warm"
+        line += (f"; plain {later['off']:.0f}, chain {later['chain']:.0f}" +
+                 "".join(f" w{k}:{later[k]:.0f}" for k in arms[:-3]))
         print(line)
-    if len(contexts) > 1:
-        g = {k: geomean(v) for k, v in ratios.items()}
-        print(f"auto / chain, geometric mean: later requests x{g['later']:.3f} (worst "
-              f"x{min(ratios['later']):.3f}), first requests x{g['first']:.3f}")
+    if len(contexts) > 1:  # the cohort: auto against each arm's geometric mean over contexts
+        g = {arm: geomean([later_of[c["name"]][arm] for c in contexts]) for arm in arms}
+        gf = {arm: geomean([tps[c["name"], arm][0] for c in contexts]) for arm in arms}
+        best = max((k for k in arms if k != "auto"), key=lambda k: g[k])
+        ratios["cohort"] = g["auto"] / g[best]
+        ratios["cohort_first"] = gf["auto"] / gf[best]
+        print(f"geometric means over {len(contexts)} contexts: auto {g['auto']:.1f} tok/s, best "
+              f"arm {best} {g[best]:.1f}: auto x{ratios['cohort']:.3f} (first requests x"
+              f"{ratios['cohort_first']:.3f}); per context against its own best: x"
+              f"{geomean(ratios['later']):.3f} (worst x{min(ratios['later']):.3f})")
     return ratios
 
 
@@ -272,6 +312,8 @@ def main():
     r.add_argument("--prompts-n", type=int, default=12, help="how many of --prompts")
     r.add_argument("--max-tokens", type=int, default=64)
     r.add_argument("--reps", type=int, default=9)
+    r.add_argument("--threads", type=int, default=None,
+                   help="engine threads (1 keeps a busy shared host from stalling a pool's barrier)")
     r.add_argument("--out", default="replay_width.json")
     p = sub.add_parser("replay")
     p.add_argument("rec")
@@ -284,9 +326,9 @@ def main():
                    help="verify costs scattered by the time / median ratios in this file "
                         "(bench/verify_noise.py)")
     p.add_argument("--one-rule", action="store_true",
-                   help="the arms share their WidthRule too (as `sapwood bench ab` arms do)")
+                   help="the arms share their policy state too")
     p.add_argument("--shared", action="store_true",
-                   help="one WidthRule per arm for all contexts (a band of varied prompts)")
+                   help="one policy state per arm for all contexts (a band of varied prompts)")
     p.add_argument("--trace", nargs="?", const="auto", default=None,
                    help="print auto's and the chain's rounds (and a fixed width's given here)")
     a = ap.parse_args()

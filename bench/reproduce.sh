@@ -12,13 +12,13 @@ python bench/tokens_per_cycle.py --max-tokens 64 --out $R/tokens_per_cycle.json 
 sapwood bench ab --a verify=off --b verify=chain --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_off_vs_chain.json | tee $R/ab_off_vs_chain.txt
 sapwood bench ab --a verify=chain --b verify=auto --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_chain_vs_auto.json | tee $R/ab_chain_vs_auto.txt
 sapwood bench ab --a verify=off --b verify=auto --max-tokens 128 --blocks 12 --processes 5 --out $R/ab_off_vs_auto.json | tee $R/ab_off_vs_auto.txt
-python bench/replay_fallback.py record --out $R/fallback_rounds.json > /dev/null
-python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $R/fallback_replay.txt
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py record --out $R/fallback_rounds.json > /dev/null
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py replay $R/fallback_rounds.json --verbose | tee $R/fallback_replay.txt
 # the 2-core Xeon's recording of stop 18 (chain rounds ~4.75 plain tokens): policy changes are
 # replayed on both machines' rounds
-python bench/replay_fallback.py replay $R/fallback_rounds_xeon.json --verbose | tee $R/fallback_replay_xeon.txt
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py replay $R/fallback_rounds_xeon.json --verbose | tee $R/fallback_replay_xeon.txt
 # and the 2-core Zen 3 (AVX2 only, no VNNI) of stop 27, where verify(9) costs ~5.8 verify(1)
-python bench/replay_fallback.py replay $R/fallback_rounds_zen3_avx2.json --verbose | tee $R/fallback_replay_zen3_avx2.txt
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py replay $R/fallback_rounds_zen3_avx2.json --verbose | tee $R/fallback_replay_zen3_avx2.txt
 GGUF=()
 if [ -n "${LLAMA_CPP:-}" ]; then
   for t in q8_0 f32; do
@@ -53,8 +53,8 @@ for dw in "1 5" "2048 3" "8192 3"; do
 done | tee $P/first_request.txt
 python bench/replay_width.py record --model default --cohort 13 --max-tokens 128 --out $R/replay_cohort_unpadded.json
 python bench/replay_width.py replay $R/replay_cohort_unpadded.json --widths "" --shared --requests 4 --max-tokens 128 --python-ms 0.15
-python bench/replay_fallback.py record --out $R/fallback_rounds_stop30.json
-python bench/replay_fallback.py replay $R/fallback_rounds_stop30.json
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py record --out $R/fallback_rounds_stop30.json
+# (removed with the plain fallback, issue 39) python bench/replay_fallback.py replay $R/fallback_rounds_stop30.json
 # Stop 31: a held-out recording (depths 512 and 4096, the 30 held-out prompts), the replay suite
 # over every recording, the host's verify noise at 2K, the live width study and first requests
 python bench/replay_width.py record --model /tmp/padded --depths 512 4096 --prompts bench/heldout_prompts.json \
@@ -98,3 +98,14 @@ for dw in "2048 3" "1 5" "8192 4"; do  # the fixed width's own first request bes
 done | tee $P/first_request_fresh_fixed.txt  # at 59fea75
 sapwood bench width --model /tmp/padded --drafter default --depths 0 2048 8192 --reps 4 --max-tokens 64 \
     --out $P/width_59fea75.json | tee $P/width_59fea75.txt
+# Issue 39: one policy. Recordings on a 2-core Zen 4 (AVX-512 VNNI), engine on one thread (the
+# host was shared with four builds and test runs: two threads' barrier stalled), and the
+# replay suite over both hosts' recordings, this policy and the one before it side by side
+Z=bench/results/zen4_vnni
+mkdir -p $Z/padded
+python bench/replay_width.py record --threads 1 --model /tmp/padded --depths 1 2048 8192 --out $Z/padded/replay_depths.json
+python bench/replay_width.py record --threads 1 --model /tmp/padded --depths --cohort 13 --out $Z/padded/replay_cohort.json
+python bench/replay_width.py record --threads 1 --model default --depths --cohort 13 --max-tokens 128 --out $Z/replay_cohort_unpadded.json
+python bench/replay_width.py record --threads 1 --model default --depths 1 2048 8192 --out $Z/replay_depths_unpadded.json
+python bench/replay_suite.py --quiet | tee $Z/replay_suite.txt
+python bench/replay_suite.py --quiet --old cb6175b | tee $Z/replay_suite_old_cb6175b.txt

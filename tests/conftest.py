@@ -15,6 +15,14 @@ def parallel_regions_everywhere():
     _core.set_min_parallel_work(old)
 
 
+@pytest.fixture(autouse=True)
+def policy_cache_in_a_temporary_directory(tmp_path_factory, monkeypatch):
+    """The speculation policy's cache (policy_cache.py) lives in a fresh directory per test:
+    never the user's, and no test starts from another's calibration."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.delenv("SAPWOOD_POLICY_CACHE", raising=False)
+
+
 @pytest.fixture(params=ISAS)
 def each_isa(request):
     """Run the test under every kernel variant built and supported here (generic is the

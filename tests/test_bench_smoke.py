@@ -109,12 +109,12 @@ def test_ab_arms_learn_their_own_policy(ckpt):
     generate = m.generate
 
     def spy(*args, **kwargs):
-        seen.append((kwargs.get("verify"), id(m._width_rules)))
+        seen.append((kwargs.get("verify"), id(m._policies)))
         return generate(*args, **kwargs)
     m.generate = spy
     run_ab(m, {"verify": "chain", "drafter": "lookup"}, {"verify": "auto", "drafter": "lookup"},
            prompts, max_tokens=8, blocks=1, log=lambda *_: None)
-    assert m._width_rules == {}  # the model's own: never used
+    assert m._policies == {}  # the model's own: never used
     by_arm = {v: {s for a, s in seen if a == v} for v in ("chain", "auto")}
     assert len(by_arm["chain"]) == 1 and len(by_arm["auto"]) == 1
     assert by_arm["chain"] != by_arm["auto"]
@@ -189,7 +189,8 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     finally:
         sys.argv = argv
     out = capsys.readouterr().out
-    assert "best fixed w=" in out and "geometric mean" in out
+    assert "best of the others" in out and "geometric means over 3 contexts" in out
+    assert "a reloaded state's first" in out
     assert rw.G.time is __import__("time")  # the decoder's clock is restored
     # verify costs scattered by a noise sample (bench/verify_noise.py): deterministic too
     noise = tmp_path / "noise.json"
@@ -214,7 +215,7 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     suite = bench_script("replay_suite")
     lines = [suite.run("tiny", [str(rec)], dict(requests=2, widths="1-2", python_ms=0.2))
              for _ in range(2)]
-    assert lines[0] == lines[1] and "auto / best fixed width, later x" in lines[0]
+    assert lines[0] == lines[1] and "auto / best other arm, warm x" in lines[0]
     assert "over 3 contexts" in lines[0]
 
 

@@ -69,10 +69,11 @@ def test_cache_prompt_restores_the_draft_models_prompt_too(default):
     first = run(True)
     assert default.draft.prompt_cached(ids) and default.prompt_cached(ids)
     snaps = default._prompt_cache[1], default.draft._prompt_cache[1]
-    pf = default.width_rule(default.resolve_drafter(None)).plain_fallback(len(ids))
-    per_token = pf.catch_up_per_token
+    from sapwood.policy import band_of
+    costs = default.speculation_policy(default.resolve_drafter(None)).costs
+    timed = list(costs.t.get((band_of(len(ids)), "catch_up", 0), []))
     second = run(True)
     assert default._prompt_cache[1] is snaps[0] and default.draft._prompt_cache[1] is snaps[1]  # restored
-    assert pf.catch_up_per_token == per_token
+    assert list(costs.t.get((band_of(len(ids)), "catch_up", 0), [])) == timed
     assert len(reference[1]) > 1 and reference == first == second
     assert not default.draft.prompt_cached(ids[:-1])

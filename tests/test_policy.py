@@ -1,4 +1,4 @@
-"""The speculation policy's bookkeeping against definitions written out with numpy: the
+"""The speculation policy's estimators against definitions written out with numpy: the
 acceptance counts, the cost fit's medians, the chain tree's shape. These run every round in
 plain Python for speed; the oracles here are the straightforward array versions."""
 import statistics
@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from sapwood.drafters import Lattice
-from sapwood.policy import AcceptanceModel, CostModel, PlainFallback
-from sapwood.round_models import _median
+from sapwood.policy import Acceptance, Costs, _median
 from sapwood.tree import chain, grow
 
 
@@ -37,7 +36,7 @@ def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
     by (depth - 1 capped at DEPTHS - 1, rank capped at max_rank - 1, the bucket of exp(q) among
     EDGES, right side)."""
     rng = np.random.default_rng(seed)
-    acc = AcceptanceModel(max_rank=4)  # small, so that ranks past the last row are capped
+    acc = Acceptance(4.0)
     want_off, want_acc = np.zeros_like(acc.offered), np.zeros_like(acc.accepted)
     for i in range(21):
         if i < 20:
@@ -51,21 +50,21 @@ def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
         on[path] = True
         for n in range(1, tree.width):
             if on[tree.parents[n]]:
-                cell = (min(tree.depth[n], AcceptanceModel.DEPTHS) - 1, min(tree.rank[n], 3),
-                        np.searchsorted(AcceptanceModel.EDGES, np.exp(tree.q[n]), side="right"))
+                cell = (min(tree.depth[n], Acceptance.DEPTHS) - 1, min(tree.rank[n], 15),
+                        np.searchsorted(Acceptance.EDGES, np.exp(tree.q[n]), side="right"))
                 want_off[cell] += 1
                 want_acc[cell] += on[n]
     assert want_off.sum() > 0 and want_acc.sum() > 0
     assert (acc.offered == want_off).all() and (acc.accepted == want_acc).all()
-    assert (want_off[AcceptanceModel.DEPTHS - 1] > 0).any()  # a depth past the last group
+    assert (want_off[Acceptance.DEPTHS - 1] > 0).any()  # a depth past the last group
     # chance() reads the same cells observe() counts: a depth's cell with the cell pooled over
     # depths as its prior
-    r, q, d = np.array([0, 1, 5, 0]), np.array([-0.01, -1.0, -3.0, -0.5]), np.array([1, 2, 3, 7])
-    rb = (np.minimum(r, 3), np.searchsorted(AcceptanceModel.EDGES, np.exp(q), side="right"))
+    r, q, d = np.array([0, 1, 5, 17]), np.array([-0.01, -1.0, -3.0, -0.5]), np.array([1, 2, 3, 7])
+    rb = (np.minimum(r, 15), np.searchsorted(Acceptance.EDGES, np.exp(q), side="right"))
     pooled = ((want_acc.sum(0)[rb] + acc.strength * acc.prior[rb])
               / (want_off.sum(0)[rb] + acc.strength))
-    cells = (np.minimum(d, AcceptanceModel.DEPTHS) - 1,) + rb
-    k = acc.depth_strength
+    cells = (np.minimum(d, Acceptance.DEPTHS) - 1,) + rb
+    k = acc.strength
     want = (want_acc[cells] + k * pooled) / (want_off[cells] + k)
     assert (acc.chance(r, q, d) == want).all()
 
@@ -88,22 +87,22 @@ def test_acceptance_counts_the_grown_trees_unverified_nodes_by_the_picks(seed):
         picks = [int(full.tokens[n]) for n in path[1:]]
         kids = [n for n in np.flatnonzero(full.parents == path[-1]) if n >= w]
         picks.append(int(full.tokens[kids[0]]) if kids and rng.random() < 0.7 else -5)
-        got, verified = AcceptanceModel(), AcceptanceModel()
+        got, verified = Acceptance(4.0), Acceptance(4.0)
         got.observe(full, path, picks)
         verified.observe(prefix, path)
         want_off, want_acc = np.zeros_like(got.offered), np.zeros_like(got.accepted)
         pick_at = dict(zip(path, picks))
         for n in range(1, full.width):
             if full.parents[n] in pick_at:
-                cell = (min(full.depth[n], AcceptanceModel.DEPTHS) - 1, min(full.rank[n], 15),
-                        np.searchsorted(AcceptanceModel.EDGES, np.exp(full.q[n]), side="right"))
+                cell = (min(full.depth[n], Acceptance.DEPTHS) - 1, min(full.rank[n], 15),
+                        np.searchsorted(Acceptance.EDGES, np.exp(full.q[n]), side="right"))
                 want_off[cell] += 1
                 want_acc[cell] += full.tokens[n] == pick_at[full.parents[n]]
         assert (got.offered == want_off).all() and (got.accepted == want_acc).all()
         assert got.offered.sum() >= verified.offered.sum()
         extra += got.offered.sum() - verified.offered.sum()
         # the prefix alone, with the picks, counts what the path says
-        again = AcceptanceModel()
+        again = Acceptance(4.0)
         again.observe(prefix, path, picks)
         assert (again.offered == verified.offered).all() and (again.accepted == verified.accepted).all()
     assert extra > 0
@@ -120,9 +119,9 @@ def expected_by_definition(acc, tree):
 
 
 def trained_band(rng):
-    """A context band's AcceptanceModel under a drafter-level parent, both with counts."""
-    parent = AcceptanceModel()
-    band = AcceptanceModel(parent=parent)
+    """A context band's Acceptance under a drafter-level parent, both with counts."""
+    parent = Acceptance(4.0)
+    band = Acceptance(4.0, parent=parent)
     for model in (band, parent, band):
         for _ in range(15):
             tree = grow(0, random_lattice(rng, rows=6, k=4), int(rng.integers(2, 17)))
@@ -132,7 +131,7 @@ def trained_band(rng):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_grow_in_cpp_is_the_python_growth_bit_for_bit(seed):
-    """AcceptanceModel.grow (C++) against tree.grow with the model's chance() (Python): the same
+    """Acceptance.grow (C++) against tree.grow with the model's chance() (Python): the same
     nodes in the same order and the same doubles, over ragged, empty and -inf rows and equal
     path sums (cells share a chance, so ties are common); its E and expected_tokens() against
     the definition, exactly (the same products and sums in the same order)."""
@@ -168,9 +167,9 @@ def test_grow_in_cpp_is_the_python_growth_bit_for_bit(seed):
 
 
 def test_grow_in_cpp_rejects_bad_lattices():
-    band = AcceptanceModel()
+    band = Acceptance(4.0)
     chance, log_step = band.tables()
-    edges = AcceptanceModel.LOG_EDGES
+    edges = Acceptance.LOG_EDGES
     from sapwood import _core
     with pytest.raises(ValueError, match="NaN"):
         band.grow(0, Lattice(np.zeros((2, 3), np.int64), np.full((2, 3), np.nan)), 8)
@@ -203,21 +202,42 @@ def test_median_is_statistics_median(n):
 
 
 def test_cost_fit_is_theil_sen_of_per_width_medians():
-    """verify_line: slope the median of pairwise slopes between widths' median timings,
-    intercept the median residual (both clamped at 0), written out with statistics here."""
+    """The verify line: slope the median of pairwise slopes between node counts' median
+    timings, intercept the median residual (both clamped at 0), written out with statistics
+    here; a count timed min_samples times is priced by its own median, others by the line."""
     rng = np.random.default_rng(0)
-    cm = CostModel()
-    for _ in range(60):
-        w = int(rng.integers(1, 10))
-        cm.observe(w, 100, 1e-3 + 2e-4 * w + 1e-4 * rng.random())
-    obs = cm._obs[cm._band(100)]
+    cm = Costs(window=16, min_samples=3)
+    for i in range(60):
+        w = int(rng.integers(1, 10)) if i else 12  # 12: timed once
+        cm.observe(0, "verify", w, 1e-3 + 2e-4 * w + 1e-4 * rng.random())
+    obs = {w: list(cm.t[0, "verify", w]) for w in cm.verify_sizes(0)}
     ws = sorted(obs)
     med = [statistics.median(obs[w]) for w in ws]
     b = statistics.median([(med[j] - med[i]) / (ws[j] - ws[i])
                            for i in range(len(ws)) for j in range(i + 1, len(ws))])
     a = statistics.median([t - b * w for w, t in zip(ws, med)])
-    assert cm.verify_line(100) == (max(a, 0.0), max(b, 0.0))
-    assert cm.calibrated(100) and not cm.calibrated(5000)
+    assert cm._line(0) == (max(a, 0.0), max(b, 0.0))
+    assert cm.verify(0, 4) == statistics.median(obs[4]) and len(obs[4]) >= 3
+    assert cm.verify(0, 12) == max(a, 0.0) + max(b, 0.0) * 12 and len(obs[12]) == 1
+    assert cm.verify(0, 16) == max(a, 0.0) + max(b, 0.0) * 16
+    assert cm.calibrated(0) and not cm.calibrated(3) and cm.verify(3, 1) is None
+
+
+def test_costs_keep_the_last_window_timings_and_ignore_a_preempted_minority():
+    """Each (band, part, size) keeps its last `window` timings; a few timings three times the
+    rest (a preempted round) leave the median where it was."""
+    cm = Costs(window=8, min_samples=3)
+    for i in range(20):
+        cm.observe(1, "verify", 4, 0.010 if i % 5 else 0.030)
+    assert len(cm.t[1, "verify", 4]) == 8 and cm.verify(1, 4) == 0.010
+    for i in range(8):
+        cm.observe(1, "verify", 4, 0.02)
+    assert cm.verify(1, 4) == 0.02  # and it follows the host when the change lasts
+    cm.observe(1, "draft", 0, 1e-4)
+    cm.observe(1, "rest", "chain", 5e-4)
+    cm.observe(1, "verify", 1, 0.005)
+    assert cm.round(1, "chain", 4, 3) == pytest.approx(0.02 + 3e-4 + 5e-4)
+    assert cm.round(1, "tree", 4, 3) == cm.round(1, "chain", 4, 3)  # no tree rest yet: the chain's
 
 
 @pytest.mark.parametrize("as_array", [False, True])
@@ -239,21 +259,3 @@ def test_chain_tree_shape(rows, as_array):
     with pytest.raises(ValueError):
         t.parents[0] = 3
     assert chain(7, lat, rows).parents.tolist() == list(range(-1, n - 1))
-
-
-def test_plain_rate_is_the_lower_quartile_of_the_last_16_plain_rounds():
-    """Only plain rounds after plain rounds count; plain_s once plain_samples of them are in."""
-    rng = np.random.default_rng(1)
-    pf = PlainFallback(plain_samples=8)
-    timed, after_plain = [], False
-    for i in range(80):
-        plain = bool(rng.random() < 0.8)
-        secs = float(rng.choice([1e-4, 2e-4, 3e-4])) if i % 7 == 0 else float(rng.random() * 1e-3)
-        pf.observe(plain, 1 if plain else 4, secs)
-        if plain and after_plain:
-            timed.append(secs)
-        after_plain = plain
-        last = timed[-16:]
-        want = sorted(last)[len(last) // 4] if len(last) >= 8 else None
-        assert pf.plain_s == want, i
-    assert len(timed) > 16

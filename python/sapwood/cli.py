@@ -40,6 +40,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--no-policy-cache", action="store_true",
+                   help="do not load or save the speculation policy's calibration "
+                        "(also SAPWOOD_POLICY_CACHE=0)")
 
 
 def cmd_generate(a) -> int:
@@ -47,7 +50,7 @@ def cmd_generate(a) -> int:
 
     prompt = _read_stdin() if a.prompt == "-" else a.prompt
     model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads, backend=a.backend,
-                         max_context=a.max_context)
+                         max_context=a.max_context, policy_cache=not a.no_policy_cache)
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               min_p=a.min_p, seed=a.seed, drafter=a.drafter, verify=a.verify, width=a.width,
               rows=a.rows, stop=a.stop)

@@ -71,7 +71,7 @@ class LookupDrafter:
     scored by how many matches agree. No weights, no state."""
 
     vocab_size = None
-    policy_key = "lookup"  # Model.width_rule: one policy state for every lookup drafter
+    policy_key = "lookup"  # Model.speculation_policy: one state for every lookup drafter
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_matches: int = 8):
         if not 1 <= ngram_min <= ngram_max:
@@ -123,7 +123,7 @@ class ModelDrafter:
 
     def __init__(self, model, top_k: int = 4):
         self.model, self.top_k = model, int(top_k)
-        self.policy_key = ("model", id(model))  # Model.width_rule: one state per draft model
+        self.policy_key = ("model", id(model))  # Model.speculation_policy: one state per draft model
         self.engine = model.engine
         self.vocab_size = model.config.vocab_size
         self._synced = 0  # how many context tokens the draft has been given

@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from . import tree as trees
-from .policy import AdmissionEMA, WidthRule
+from .policy import Policy, band_of
 from .sampling import SamplingParams, apply_penalties, check_logits, sample
 
 VERIFY_MODES = ("off", "chain", "tree", "auto")
@@ -74,7 +74,7 @@ class DecodeConfig:
     verify: str = "auto"
     width: int | None = None     # tree: fixed width; auto: largest width considered
     rows: int = 8                # lattice rows drafted per cycle (the most, with adapt_rows)
-    adapt_rows: bool = True      # chain, auto: fewer rows while the draft keeps few (DraftLength)
+    adapt_rows: bool = True      # chain, auto: fewer rows while the draft keeps few (the policy)
     stop_ids: tuple = ()
 
     def validate(self):
@@ -100,22 +100,21 @@ def _root_tree(root: int) -> trees.Tree:
 class Decoder:
     """One request's decoding loop over a target engine and a drafter (None for `off`)."""
 
-    def __init__(self, engine, drafter, cfg: DecodeConfig, ema: AdmissionEMA | None = None,
-                 rule: WidthRule | None = None, on_round=None):
+    def __init__(self, engine, drafter, cfg: DecodeConfig, policy: Policy | None = None,
+                 on_round=None, clock=time.perf_counter):
         self.engine, self.drafter, self.cfg = engine, drafter, cfg.validate()
         if hasattr(drafter, "set_sampling"):  # a model drafter follows the sampler's noise
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
-        self.ema = ema or AdmissionEMA(rows=cfg.rows)
-        self.rule = rule or WidthRule()
-        self.draft_len = None  # the rule's DraftLength for this request's context band (run())
+        self.policy = policy or Policy()
+        self.req = None  # the policy's state of this request (run())
+        self.clock = clock  # seconds, monotonic: the policy learns costs from it
+        self._rows = cfg.rows  # this round's draft rows (_mode)
         self._drafted = (0, 0.0)  # this round's draft: rows, seconds
-        self.plain = None  # the rule's PlainFallback for this request's context band (run())
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self._behind = 0              # how many tokens that is
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
         self._prompt_pending = False  # is the drafter yet to take in the prompt?
         self.verify_s = 0.0           # this round's verify time(s)
-        self._eligible = False        # this round: auto, and the admission EMA let it go wide
         self.stats = GenerationStats()
         self.context: list[int] = []
         self.on_round = on_round  # on_round(tree, path, seconds): benchmarks log every round
@@ -141,85 +140,76 @@ class Decoder:
                           top_k=p.top_k, top_p=p.top_p, min_p=p.min_p))
 
     def _mode(self) -> str:
-        mode = self.cfg.verify
+        """This round's kind: off, plain, chain, wide (auto's tree) or tree; sets self._rows."""
+        mode, cfg = self.cfg.verify, self.cfg
+        self._rows = cfg.rows
         if self.drafter is None:
             return "off"
         if mode in ("tree", "auto") and not self._tree_eligible:
-            return "chain"  # penalties, constraints: always the chain
-        if mode == "auto":
-            if self.plain.plain_s is None:  # unmeasured: the fallback takes a guess
-                ctx, cost = self.engine.position, self.rule.cost
-                self.plain.plain_guess_s = (float(cost.verify_widths([1], ctx)[0])
-                                            if cost.calibrated(ctx) else None)
-            if self.plain.skip_draft(self._behind):
-                return "plain"
-            self._eligible = self.ema.wide()
-            return "wide" if self._eligible and self.rule.trees_pay() else "chain"
+            mode = "chain"  # penalties, constraints: always the chain
+        if mode == "auto" and cfg.adapt_rows:
+            mode, self._rows = self.req.plan(self._behind, cfg.rows)
+        elif mode == "auto":
+            mode = "wide" if self.req.wide() else "chain"
+        elif mode == "chain" and cfg.adapt_rows:
+            self._rows = self.req.chain_plan(cfg.rows)[0]
         return mode
 
     def _build(self, root: int, mode: str, room: int, emit: int):
         """This round's tree, whether it is wide, its logits when they were already computed
         (a calibration round) else None, and the tree the acceptance model learns from: the
-        grown tree where the round verifies a prefix of it (its other nodes under the path
-        are known by the picks), else the round's tree."""
-        rows = self.cfg.rows
-        if self.cfg.adapt_rows and mode == "chain":
-            rows = self.draft_len.rows(self._verify_slope())
-        elif self.cfg.adapt_rows and mode == "wide":
-            # a wide round verifies only the nodes the rule then picks: a row costs its draft
-            # alone. Priced as chain rows (with a verified node each), auto drafted ~3 rows
-            # where width 5 needs 4, and replayed even with hindsight-perfect E its choices
-            # ran at 0.96 / 0.96 of the best fixed width (padded target, depths 1 / 2K);
-            # priced by their draft, 1.08 / 1.04 (bench/replay_width.py)
-            rows = self.draft_len.rows(0.0)
+        grown tree in a wide round, else the round's tree."""
+        rows = self._rows
         if mode == "tree" and self.cfg.width:
             # a tree of w nodes reaches depth w - 1 at most: rows past it would never be
             # verified (and a row's candidates do not depend on the rows after it)
             rows = min(rows, self.cfg.width - 1)
         # a round emits its accepted rows and one pick more, at most `emit` tokens (the
-        # context's room and what the request still needs): rows past that would be drafted and
-        # verified for nothing (replayed, a chain of 9 rows kept 3 of them in the last round
-        # of a 64-token request, at the cost of 9)
+        # context's room and what the request still needs): rows past that are never kept
         rows = min(rows, emit - 1)
         if rows <= 0:
             tree = _root_tree(root)
             return tree, False, None, tree
         self._catch_up()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         lattice = self.drafter.draft(self.context, root, rows)
-        self._drafted = (rows, time.perf_counter() - t0)
-        if mode == "chain":
-            tree = trees.chain(root, lattice, rows)
-            return tree, False, None, tree
-        max_w = min(self.cfg.width or 16, room)
-        ctx = self.engine.position
-        full = self.rule.acceptance_for(ctx).grow(root, lattice, max_w)
+        self._drafted = (rows, self.clock() - t0)
+        chain = trees.chain(root, lattice, rows)
+        ctx, pol = self.engine.position, self.policy
+        calibrated = pol.costs.calibrated(band_of(ctx))
+        if mode == "chain" and self.cfg.verify != "auto":
+            if calibrated or self.cfg.verify != "chain":
+                return chain, False, None, chain
+            return chain, False, self._calibrate(chain, ctx), chain
         if mode == "tree":
+            full = pol.acceptance_for(ctx).grow(root, lattice, min(self.cfg.width or 16, room))
             return full, True, None, full
-        if self.rule.cost.calibrated(ctx) or full.width == 1:
-            # the drafter's chain competes too: a confident drafter's deep chain can beat every
-            # prefix of the best-first tree
-            tree = self.rule.choose_tree([full, trees.chain(root, lattice, rows)], ctx,
-                                         min_width=2 if self.plain.probing else 1)
-            # where the drafter's chain won, the path indexes the chain alone
-            return tree, not tree.is_chain, None, full if full.has_prefix(tree) else tree
-        # Calibration round: a node's logits do not depend on the other nodes (DESIGN.md), so
-        # the full tree's logits serve whichever prefix the rule then picks; the root's verify
-        # runs first so that the engine's tape (what commit uses) is the full tree's.
-        t_draft = time.perf_counter() - t0
-        eng, t = self.engine, time.perf_counter()
+        cands = [chain]
+        if mode == "wide":  # the drafter's chain competes too: a confident deep chain can win
+            cands.append(pol.acceptance_for(ctx).grow(root, lattice,
+                                                      min(self.cfg.width or 16, room)))
+        kind, min_w = ("tree" if mode == "wide" else "chain"), (2 if self.req.probing else 1)
+        full = max(cands, key=lambda t: t.width)
+        logits = None if calibrated else self._calibrate(full, ctx)
+        tree = pol.choose(cands, ctx, rows, kind, min_w)
+        if not full.has_prefix(tree):  # the chain won over the tree: verified on its own
+            return tree, False, None, cands[-1]
+        return tree, not tree.is_chain, None if logits is None else logits[:tree.width], cands[-1]
+
+    def _calibrate(self, full, ctx):
+        """A band with fewer than two node counts timed: verify the root alone, then `full`,
+        timing both. A node's logits do not depend on the other nodes (DESIGN.md), so full's
+        logits serve whichever prefix the policy then picks; the root's verify runs first so
+        that the engine's tape (what commit uses) is full's."""
+        eng, t = self.engine, self.clock()
         eng.verify(full.tokens[:1], full.parents[:1])
-        t1 = time.perf_counter() - t
-        t = time.perf_counter()
+        t1, t = self.clock() - t, self.clock()
         logits = eng.verify(full.tokens, full.parents)
-        tw = time.perf_counter() - t
-        self.rule.cost.observe(1, ctx, t1)
-        self.rule.cost.observe(full.width, ctx, tw)
-        if not self.rule.cost.rest(ctx):
-            self.rule.cost.observe_rest(ctx, t_draft)
+        tw = self.clock() - t
+        self.policy.costs.observe(band_of(ctx), "verify", 1, t1)
+        self.policy.costs.observe(band_of(ctx), "verify", full.width, tw)
         self.verify_s = t1 + tw
-        w = self.rule.choose(full, ctx, min_width=2 if self.plain.probing else 1)
-        return full.prefix(w), True, logits[:w], full
+        return logits
 
     def run(self, prompt, prefill=None) -> Iterator[int]:
         """Yield emitted tokens (target picks) in order; stops at max_tokens, a stop id or a
@@ -229,10 +219,9 @@ class Decoder:
         self.context = [int(t) for t in prompt]
         st.prompt_tokens = len(self.context)
         self.finish_reason = "length"
-        t0 = time.perf_counter()
+        t0 = self.clock()
         logits = (prefill or eng.prefill)(self.context)
-        self.plain = self.rule.plain_fallback(len(self.context), cfg.rows + 1)
-        self.draft_len = self.rule.draft_length(len(self.context), cfg.rows)
+        self.req = self.policy.request(len(self.context), cfg.rows)
         if hasattr(self.drafter, "sync"):
             # A draft model takes in the prompt when it first drafts, as a catch-up: the first
             # token does not wait for it (chain and auto requests' time to first token was 28%
@@ -240,8 +229,8 @@ class Decoder:
             self._behind = len(self.context)
             self._prompt_pending = True  # the first catch-up is the draft's prefill
         root = self._pick(logits, len(self.context), self.context)
-        st.prefill_s = time.perf_counter() - t0
-        t_start = time.perf_counter()
+        st.prefill_s = self.clock() - t0
+        t_start = self.clock()
         try:
             pending = [root]  # picks to emit, in order; the last one is the next root
             first_round = True
@@ -259,8 +248,7 @@ class Decoder:
                 if room < 1:
                     self.finish_reason = "context"
                     return
-                t_round = time.perf_counter()
-                self._eligible = False  # set by _mode: an auto round the EMA let go wide
+                t_round = self.clock()
                 mode = self._mode()
                 emit = min(room, cfg.max_tokens - st.tokens)  # tokens this round may emit
                 if mode != "off" and emit <= 1:
@@ -269,10 +257,10 @@ class Decoder:
                     # nothing
                     mode = "plain"
                 if mode in ("off", "plain"):  # the root alone: no tree, no walk
-                    tree, wide, calibration = None, False, False
-                    t = time.perf_counter()
+                    tree, wide, calibration, learn_from = None, False, False, None
+                    t = self.clock()
                     logits = eng.verify([root], [-1])
-                    self.verify_s = time.perf_counter() - t
+                    self.verify_s = self.clock() - t
                     hist = None if self._tree_eligible else self.context + [root]
                     picks, path = [self._pick(logits[0], eng.position + 1, hist)], [0]
                     eng.commit(path)
@@ -281,9 +269,9 @@ class Decoder:
                     tree, wide, logits, learn_from = self._build(root, mode, room, emit)
                     calibration = logits is not None
                     if not calibration:
-                        t = time.perf_counter()
+                        t = self.clock()
                         logits = eng.verify(tree.tokens, tree.parents)
-                        self.verify_s = time.perf_counter() - t
+                        self.verify_s = self.clock() - t
                     path, picks = self._walk(tree, logits)
                     # a draft model drafts next, on this thread: the target's worker folds
                     # the committed GDN steps meanwhile, which the next verify would fold
@@ -307,45 +295,50 @@ class Decoder:
                 st.draft_rows_accepted += len(path) - 1
                 st.widths.append(width)
                 ctx = eng.position - len(path)  # the round's context
-                round_s = time.perf_counter() - t_round
-                if cfg.verify == "auto" and mode != "off" and not first_round and not calibration:
-                    # the fallback judges auto's own rounds only, and not those that learn
-                    # costs: the first (its draft length is not yet priced) nor a calibration
-                    # round (a wide tree timed twice)
-                    self.plain.observe(mode == "plain", len(path), round_s, self._caught_up[1])
+                round_s = self.clock() - t_round
                 catch_up_s = self._caught_up[1]
                 self._caught_up = (0, 0.0)
-                if mode == "plain" and not first_round:  # a verify of width 1: a cost sample too
-                    self.rule.cost.observe(1, ctx, self.verify_s)
-                if mode not in ("off", "plain"):
-                    # The first round feeds the costs too: with its draft's prefill left out
-                    # (catch_up_s) it costs what later rounds cost (a 4-node tree's verify on
-                    # the padded target, depth 2K: 16.7 ms against 16.2-17.6), and without it
-                    # the second round drafted 8 rows unpriced (32 ms for one token, where the
-                    # best fixed width's round took 14) and the first wide round calibrated
-                    if self._drafted[0]:
-                        self.draft_len.observe(self._drafted[0], len(path) - 1, self._drafted[1],
-                                               round_s - catch_up_s, self._verify_slope())
-                    self._drafted = (0, 0.0)
-                    self.ema.update(len(path) - 1)
-                    self.rule.acceptance_for(ctx).observe(learn_from, path, picks)
-                    self.rule.observe_round(tree.is_chain, len(path), round_s - catch_up_s,
-                                            (mode == "wide") if self._eligible else None)
-                    if not calibration:  # a calibration round has fed its own verify timings
-                        self.rule.cost.observe(tree.width, ctx, self.verify_s)
-                    self.rule.cost.observe_rest(
-                        ctx, time.perf_counter() - t_round - catch_up_s - self.verify_s)
+                if mode != "off":
+                    self._learn(mode, tree, path, picks, learn_from, calibration, ctx,
+                                round_s - catch_up_s, first_round)
                 first_round = False
                 if self.on_round is not None:
-                    self.on_round(tree or _root_tree(root), path, time.perf_counter() - t_round)
+                    self.on_round(tree or _root_tree(root), path, self.clock() - t_round)
                 pending = picks  # path tokens 1..k (committed), then the next root
         finally:
-            st.decode_s = time.perf_counter() - t_start - st.draft_prefill_s
+            st.decode_s = self.clock() - t_start - st.draft_prefill_s
+            if self.drafter is not None:
+                self.req.finish()
 
-    def _verify_slope(self) -> float:
-        """The cost model's seconds per verified node at this context (CostModel.slope; 0
-        before any timing: the prior slope, a guess, would shorten drafts unmeasured)."""
-        return self.rule.cost.slope(self.engine.position)
+    def _learn(self, mode, tree, path, picks, learn_from, calibration, ctx, round_s, first):
+        """Feed the policy what this round cost and kept (round_s: catch-ups left out)."""
+        costs, b = self.policy.costs, band_of(ctx)
+        if mode == "plain":
+            if not first:  # the first round after prefill is not a steady one
+                costs.observe(b, "verify", 1, self.verify_s)
+                costs.observe(b, "rest", "plain", max(round_s - self.verify_s, 0.0))
+            return
+        rows, draft_s = self._drafted
+        self._drafted = (0, 0.0)
+        if rows:
+            costs.observe(b, "draft", 0, draft_s / rows)
+        if not calibration:  # a calibration round has fed its own verify timings
+            costs.observe(b, "verify", tree.width, self.verify_s)
+        kind = "tree" if mode in ("wide", "tree") else "chain"
+        costs.observe(b, "rest", kind, max(round_s - self.verify_s - draft_s, 0.0))
+        # the grown tree teaches the acceptance (its unverified nodes under the path too, known
+        # by the picks), the committed path followed in it by its tokens: a cell the round did
+        # not verify would otherwise keep its chance however often the target took it
+        node, mapped = 0, [0]
+        for tok in tree.tokens[path[1:]].tolist():
+            node = learn_from.child(node, tok)
+            if node < 0:
+                break
+            mapped.append(node)
+        self.policy.acceptance_for(ctx).observe(learn_from, mapped, picks[:len(mapped)])
+        verified_depth = int(tree.depth.max())
+        judged_next = bool((tree.parents == path[-1]).any())
+        self.req.observe(verified_depth, len(path) - 1, judged_next)
 
     def _catch_up(self) -> None:
         """Give the drafter what it has not seen (the prompt, the tokens of plain rounds), in
@@ -354,15 +347,17 @@ class Decoder:
         probes with it, and leaves it out of the round's own time."""
         if not self._behind:
             return
-        t, restored = time.perf_counter(), 0
+        t, restored = self.clock(), 0
         if hasattr(self.drafter, "sync"):
             restored = self.drafter.sync(self.context) or 0
         else:
             self.drafter.advance(self._unsent)
-        self._caught_up = (self._behind, time.perf_counter() - t)
+        self._caught_up = (self._behind, self.clock() - t)
         # tokens restored from a prompt cache cost next to nothing: they would make the
         # catch-ups that probes pay (prefills of skipped tokens) look cheap
-        self.plain.observe_catch_up(self._behind - restored, self._caught_up[1])
+        if self._behind > restored:
+            self.policy.costs.observe(band_of(self.engine.position), "catch_up", 0,
+                                      self._caught_up[1] / (self._behind - restored))
         if self._prompt_pending:
             self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0

@@ -227,7 +227,7 @@ def default_target_path() -> Path:
 
 
 def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
-         max_context: int = 4096) -> Model:
+         max_context: int = 4096, policy_cache: bool = True) -> Model:
     """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`;
     "default" loads the bundled target with its draft model attached.
 
@@ -238,6 +238,8 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     backend: "auto" (Metal on Apple silicon when built, else "cpu"), "cpu", "metal",
     "metal-emulated" / "sycl-emulated" (the Metal / SYCL kernels run on the CPU by the emulator:
     slow, for tests and kernel ports), "sycl"; available_backends() lists what this install has.
+    policy_cache: keep the speculation policy's calibration across processes (policy_cache.py;
+    also off with SAPWOOD_POLICY_CACHE=0).
     """
     backend = resolve_backend(backend)
     check_args(weights, kv, backend, threads, max_context)
@@ -246,11 +248,14 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
                      threads=threads, max_context=max_context)
         model.draft = load(_bundled("draft"), weights=weights, kv=kv, backend=backend,
                            threads=threads, max_context=max_context)
+        model.policy_cache = bool(policy_cache)
         return model
     ck = read_checkpoint(path)
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
     engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
-                          0 if threads is None else threads, backend)
-    return Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
-                 weights=weights, kv=kv, backend=backend, max_context=max_context)
+                           0 if threads is None else threads, backend)
+    model = Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
+                  weights=weights, kv=kv, backend=backend, max_context=max_context)
+    model.policy_cache = bool(policy_cache)
+    return model

@@ -32,8 +32,9 @@ class Model:
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
         self.draft = None        # an attached draft Model (the bundled default has one)
-        # per drafter (width_rule()): cost model and acceptance calibration across requests
-        self._width_rules: dict = {}
+        # per drafter (speculation_policy()): costs and acceptance calibration across requests
+        self._policies: dict = {}
+        self.policy_cache = True  # policy_cache.py: keep the calibration across processes
         # One request at a time: generate() resets the engine, so a second request (another
         # thread, a stream left open, a call from on_round) would corrupt the first one's state.
         self._busy = threading.Lock()
@@ -112,36 +113,51 @@ class Model:
             return drafter
         raise ValueError(f"unknown drafter {drafter!r}")
 
-    def width_rule(self, drafter):
-        """The speculation policy's state (policy.WidthRule) for requests drafted by `drafter`
-        (a resolved drafter; None for plain decoding), kept across requests. What it measures
-        holds whatever a request's verify mode or largest width, but not across drafters: the
-        acceptance calibration maps a drafter's own confidences, and drafting costs are part
-        of a round's. With one rule for all drafters, bench/tokens_per_cycle.py (every arm in
-        one process) had auto at T=0.8 grow trees in 7-34% of its rounds and run at x0.62-0.83
-        of plain decoding over three runs; per drafter, 1-3% and x0.82-0.83 over four."""
-        from .policy import WidthRule
+    def speculation_policy(self, drafter):
+        """The speculation policy's state (policy.Policy) for requests drafted by `drafter` (a
+        resolved drafter; None for plain decoding), kept across requests and, unless turned off
+        (policy_cache.py), across processes. Not shared between drafters: the acceptance
+        calibration maps a drafter's own confidences, and drafting costs are part of a round's."""
+        from . import policy_cache
+        from .policy import Policy
 
         key = getattr(drafter, "policy_key", None) or (type(drafter).__module__,
                                                         type(drafter).__qualname__)
-        if key not in self._width_rules:
-            self._width_rules[key] = WidthRule()
-        return self._width_rules[key]
+        if key not in self._policies:
+            pol = self._policies[key] = Policy()
+            if drafter is not None and self.policy_cache and policy_cache.enabled():
+                d = getattr(drafter, "model", None)
+                policy_cache.attach(pol, policy_cache.key(
+                    self.identity(), d.identity() if isinstance(d, Model) else repr(key)))
+        return self._policies[key]
+
+    def identity(self) -> dict:
+        """What makes this model's costs and acceptance its own (the policy cache's key)."""
+        import hashlib
+        import json
+
+        cfg = json.dumps(getattr(self.config, "__dict__", str(self.config)), sort_keys=True,
+                         default=str)
+        return {"path": str(self.path), "config": hashlib.sha256(cfg.encode()).hexdigest()[:16],
+                "weights": self.weights, "kv": self.kv, "backend": self.backend,
+                "threads": self.engine.threads if hasattr(self.engine, "threads") else None}
 
     @contextmanager
     def policy_state(self, state: dict):
         """Requests in this block learn and use the speculation policy kept in `state` (a dict
         the model fills with its width rules) instead of the model's own: `sapwood bench ab`
         gives each arm its own, as two servers of the two configurations would have."""
-        saved, self._width_rules = self._width_rules, state
+        saved, self._policies = self._policies, state
+        cache, self.policy_cache = self.policy_cache, False  # an arm learns from its own rounds only
         try:
             yield
         finally:
-            self._width_rules = saved
+            self._policies, self.policy_cache = saved, cache
 
-    def reset_width_rules(self) -> None:
-        """Forget what the speculation policy measured (a fresh process's first request)."""
-        self._width_rules.clear()
+    def reset_policies(self) -> None:
+        """Forget what the speculation policy measured (a fresh process's first request, the
+        policy cache aside)."""
+        self._policies.clear()
 
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
@@ -194,7 +210,8 @@ class Model:
             if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
                 d.prompt_cache_len = len(ids) if cache_prompt else 0
             self.engine.reset()
-            dec = Decoder(self.engine, d, cfg, rule=self.width_rule(d), on_round=on_round)
+            dec = Decoder(self.engine, d, cfg, policy=self.speculation_policy(d),
+                          on_round=on_round)
         except BaseException:
             release()
             raise

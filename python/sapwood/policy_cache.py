@@ -1,0 +1,92 @@
+"""The speculation policy's calibration kept across processes, so that a one-shot CLI run is
+not always a cold first request: one JSON file per (target, drafter, machine) under the user's
+cache directory ($XDG_CACHE_HOME/sapwood/policy, else ~/.cache/sapwood/policy), read when a
+model first serves a drafter and written after each request. SAPWOOD_POLICY_CACHE=0 (or
+`sapwood.load(..., policy_cache=False)`, `sapwood generate --no-policy-cache`) turns it off. A
+file that cannot be read, or that was written for another target, drafter or machine, is ignored
+with a warning: costs learned on other hardware would mislead the policy, never the output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+
+from . import _core
+
+VERSION = 1
+OFF = ("0", "off", "false", "no")
+
+
+def enabled(option: bool = True) -> bool:
+    return bool(option) and os.environ.get("SAPWOOD_POLICY_CACHE", "1").strip().lower() not in OFF
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sapwood" / "policy"
+
+
+def machine() -> dict:
+    """What the costs depend on besides the models: the CPU, its core count, the kernel variant."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
+            "isa": _core.isa() if hasattr(_core, "isa") else None}
+
+
+def key(target: dict, drafter) -> dict:
+    return {"target": target, "drafter": drafter, "machine": machine()}
+
+
+def path_for(k: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def load(policy, k: dict) -> bool:
+    """Fill `policy` from the file of key `k`; False (with a warning for a bad file) if none."""
+    p = path_for(k)
+    if not p.exists():
+        return False
+    try:
+        with open(p) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else None!r}")
+        if data.get("key") != json.loads(json.dumps(k)):
+            raise ValueError("written for another target, drafter or machine")
+        policy.load_state(data["state"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        warnings.warn(f"sapwood: ignoring the policy cache {p}: {e}", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def save(policy, k: dict) -> None:
+    """Write the policy's state atomically (a reader never sees half a file); a failure to
+    write warns and leaves speculation as it is."""
+    p = path_for(k)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "key": k, "state": policy.state()}, f)
+        os.replace(tmp, p)
+    except OSError as e:
+        warnings.warn(f"sapwood: could not write the policy cache {p}: {e}", RuntimeWarning,
+                      stacklevel=2)
+
+
+def attach(policy, k: dict) -> None:
+    """Load `policy` from the cache and save it after every request."""
+    load(policy, k)
+    policy.on_request_end = lambda pol: save(pol, k)
