@@ -206,6 +206,7 @@ class Request:
         self.avg = float(policy.params.ema_start)
         self.reached, self.kept = [0.0] * (self.max_rows + 1), [0.0] * (self.max_rows + 1)
         self.plain_run = 0     # plain rounds since the last speculative one
+        self.last = (0, 0)     # the last speculative round's (verified depth, rows kept)
         self.probing = False   # is this round a probe after plain rounds?
 
     def wide(self) -> bool:
@@ -225,8 +226,10 @@ class Request:
             out.append(s)
         return out
 
-    def chain_plan(self, max_rows: int | None = None, sd: float = 0.0):
-        """(rows, expected tokens / second) of the best chain depth; rate None when unpriced."""
+    def chain_plan(self, max_rows: int | None = None, sd: float = 0.0, near: float = 0.0):
+        """(rows, expected tokens / second) of the best chain depth; rate None when unpriced.
+        After a round that kept every row, two rows more where that rates within `near` of the
+        best (0: always; verify="chain" asks for speculation whatever plain decoding costs)."""
         costs, b = self.policy.costs, self.band
         m = self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
         best, e = (min(self.policy.params.first_rows, m), None), 1.0
@@ -235,13 +238,22 @@ class Request:
             t = costs.round(b, "chain", d + 1, d)
             if t is not None and (best[1] is None or e / t > best[1]):
                 best = (d, e / t)
+        # a round that kept every row it verified says nothing of the rows past it, whose
+        # price may rest on one preempted timing: look two rows further
+        depth, kept = self.last
+        if depth and kept == depth and best[0] < min(depth + 2, m):
+            d = min(depth + 2, m)
+            t = costs.round(b, "chain", d + 1, d)
+            rate = None if t is None else (1.0 + sum(self.survival(sd)[:d])) / t
+            if rate is None or best[1] is None or rate >= near * best[1]:
+                best = (d, rate)
         return best
 
     def plan(self, behind: int, max_rows: int):
         """Before drafting: ("plain", 0), ("chain", rows) or ("wide", rows)."""
         p, costs = self.policy.params, self.policy.costs
-        rows, rate = self.chain_plan(max_rows)
-        hope = self.chain_plan(max_rows, p.plain_sd)[1]
+        rows, rate = self.chain_plan(max_rows, near=0.9)
+        hope = self.chain_plan(max_rows, p.plain_sd, near=0.9)[1]
         plain_s = costs.round(self.band, "plain", 1, 0)
         self.probing = False
         if hope is not None and plain_s is not None and hope * plain_s < 1.0:
@@ -264,6 +276,7 @@ class Request:
         was row kept + 1 verified (else it is censored, not rejected)?"""
         if drafted <= 0:
             return
+        self.last = (drafted, kept)
         for j in range(1, min(kept, drafted) + 1):
             self.reached[j] += 1
             self.kept[j] += 1
