@@ -290,7 +290,8 @@ class Slot:
         drafter = None if cfg.verify == "off" else self._drafter(job.drafter)
         model.engine.reset()
         rec = _Recorder(model.engine, keep=job.logprobs is not None)
-        dec = Decoder(rec, drafter, cfg, rule=model.width_rule(drafter), on_round=rec.on_round)
+        dec = Decoder(rec, drafter, cfg, policy=model.speculation_policy(drafter),
+                      on_round=rec.on_round)
         info: dict = {}
         # the text as Model.generate grows it: held back while it may end in a stop string
         text = IncrementalText(model.tokenizer, job.stops)
