@@ -2,6 +2,7 @@
 prompts, for every verify mode and drafter, greedy and at T=0.8.
 
     python bench/tokens_per_cycle.py [--max-tokens 64] [--out tokens_per_cycle.json]
+        [--arms off chain:mtp auto:mtp chain:default ...] [--prompts N]
 
 Tokens per cycle is deterministic (the output is plain decoding's in every mode; checked here on
 every prompt). Speeds are side by side: for each prompt all arms run back to back, in forward
@@ -25,9 +26,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="tokens_per_cycle.json")
+    ap.add_argument("--arms", nargs="+", default=None,
+                    help="verify:drafter pairs (drafter: mtp, default, lookup), 'off' first")
+    ap.add_argument("--prompts", type=int, default=None, help="the first N held-out prompts")
     a = ap.parse_args()
+    global ARMS
+    if a.arms:
+        ARMS = [(x, None) if x == "off" else tuple(x.split(":", 1)) for x in a.arms]
+        if ARMS[0] != ("off", None):
+            ap.error("the first arm must be 'off' (the ratios are to it)")
     prompts = json.loads(Path(sapwood.__file__).with_name("benchmarks")
-                         .joinpath("heldout_prompts.json").read_text())["prompts"]
+                         .joinpath("heldout_prompts.json").read_text())["prompts"][:a.prompts]
     m = sapwood.load("default", max_context=2048)
     out = {"revision": source_revision(), "model": model_identity(m), "machine": machine(),
            "max_tokens": a.max_tokens, "prompts": len(prompts), "rows": []}

@@ -110,6 +110,7 @@ GDNDims make_dims(int hk, int hv, int dk, int dv, int conv_k, const std::string&
 void bind_engine(py::module_& m);
 void bind_tree_growth(py::module_& m);
 void bind_gpu(py::module_& m);  // bindings_gpu.cpp
+void bind_mtp(py::module_& m);  // bindings_mtp.cpp
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "sapwood C++ runtime: paged int8 KV, tree attention, pathwise GDN";
@@ -382,4 +383,5 @@ PYBIND11_MODULE(_core, m) {
   bind_engine(m);
   bind_tree_growth(m);
   bind_gpu(m);
+  bind_mtp(m);
 }

@@ -48,14 +48,6 @@ ModelDims parse_dims(const py::dict& d) {
   return m;
 }
 
-py::array_t<float> to_array(std::vector<float>&& v, py::ssize_t rows, py::ssize_t cols) {
-  auto* heap = new std::vector<float>(std::move(v));
-  py::capsule free_when_done(heap, [](void* p) { delete reinterpret_cast<std::vector<float>*>(p); });
-  if (rows < 0) return py::array_t<float>({cols}, {sizeof(float)}, heap->data(), free_when_done);
-  return py::array_t<float>({rows, cols}, {cols * py::ssize_t(sizeof(float)), py::ssize_t(sizeof(float))},
-                            heap->data(), free_when_done);
-}
-
 }  // namespace
 
 void bind_engine(py::module_& m) {
@@ -73,15 +65,7 @@ void bind_engine(py::module_& m) {
                        const std::string& backend) {
              ModelDims d = parse_dims(dims);
              std::vector<F32> keep;
-             TensorMap t;
-             for (auto item : weights) {
-               const std::string name = py::str(item.first);
-               keep.push_back(as_f32(item.second, name.c_str(), std::vector<py::ssize_t>(
-                   py::array::ensure(item.second) ? py::array::ensure(item.second).ndim() : 0, -1)));
-               Tensor x{keep.back().data(), {}};
-               for (py::ssize_t i = 0; i < keep.back().ndim(); ++i) x.shape.push_back(keep.back().shape(i));
-               t.emplace(name, x);
-             }
+             TensorMap t = tensor_map(weights, &keep);
              WFormat f = parse_wformat(wfmt.c_str());
              KVDtype k = parse_kv_dtype(kv);
              py::gil_scoped_release release;
@@ -166,6 +150,17 @@ void bind_engine(py::module_& m) {
            "chain's processed tokens (root, a1, ...) from the states the chain kept; returns its "
            "length m (prefill tokens[m:] next). Any other call drops what the chain kept.")
       .def("reset", &Engine::reset)
+      .def_property("keep_hidden", &Engine::keep_hidden, &Engine::set_keep_hidden,
+                    "Keep the final hidden rows of committed positions for take_hidden() (the "
+                    "MTP drafter); setting it drops what was kept.")
+      .def("take_hidden", [](Engine& e) {
+             std::vector<float> rows;
+             const int from = e.take_hidden(&rows);
+             const py::ssize_t H = e.dims().hidden, n = py::ssize_t(rows.size()) / H;
+             return py::make_tuple(from, to_array(std::move(rows), n, H));
+           },
+           "(position of the first row, rows [n, hidden]): the final hidden states (after "
+           "model.norm) of the positions committed since the last take, while keep_hidden.")
       .def("fill_synthetic", [](Engine& e, int n, uint64_t seed) {
              py::gil_scoped_release release;
              e.fill_synthetic(n, seed);

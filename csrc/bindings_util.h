@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "kv_cache.h"
+#include "model.h"
 
 namespace sapwood {
 namespace py = pybind11;
@@ -71,6 +72,31 @@ inline std::vector<int> as_ints(py::handle obj, const char* name) {
     out[i] = int(x);
   }
   return out;
+}
+
+// A float32 array [rows][cols] (rows < 0: [cols]) owning v's storage.
+inline py::array_t<float> to_array(std::vector<float>&& v, py::ssize_t rows, py::ssize_t cols) {
+  auto* heap = new std::vector<float>(std::move(v));
+  py::capsule free_when_done(heap, [](void* p) { delete reinterpret_cast<std::vector<float>*>(p); });
+  if (rows < 0) return py::array_t<float>({cols}, {sizeof(float)}, heap->data(), free_when_done);
+  return py::array_t<float>({rows, cols}, {cols * py::ssize_t(sizeof(float)), py::ssize_t(sizeof(float))},
+                            heap->data(), free_when_done);
+}
+
+// {name: float32 array} -> TensorMap viewing the arrays, which *keep holds (keep it alive while
+// the map is read).
+inline TensorMap tensor_map(const py::dict& weights, std::vector<F32>* keep) {
+  TensorMap t;
+  keep->reserve(keep->size() + weights.size());
+  for (auto item : weights) {
+    const std::string name = py::str(item.first);
+    py::array a = py::array::ensure(item.second);
+    keep->push_back(as_f32(item.second, name.c_str(), std::vector<py::ssize_t>(a ? a.ndim() : 0, -1)));
+    Tensor x{keep->back().data(), {}};
+    for (py::ssize_t i = 0; i < keep->back().ndim(); ++i) x.shape.push_back(keep->back().shape(i));
+    t.emplace(name, x);
+  }
+  return t;
 }
 
 inline KVDtype parse_kv_dtype(const std::string& s) {

@@ -152,19 +152,22 @@ std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows
   be_->reserve(P + T);
   // A failure part-way (non-finite activations) must not leave some layers advanced.
   be_->save_gdn();
+  const size_t kept = hidden_.size();
   try {
     std::vector<float> logits;
-    prefill_chunks(tokens, all_rows, P, &logits);
+    prefill_chunks(tokens, all_rows, P, &logits, keep_hidden_ ? &hidden_ : nullptr);
     return logits;
   } catch (...) {
     be_->restore_gdn();
     be_->truncate(P);
+    hidden_.resize(kept);
     throw;
   }
 }
 
 void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P,
-                            std::vector<float>* out) {
+                            std::vector<float>* out, std::vector<float>* hidden) {
+  std::vector<float> rows;
   const int T = int(tokens.size());
   for (int c0 = 0; c0 < T; c0 += kPrefillChunk) {
     const int n = std::min(kPrefillChunk, T - c0);
@@ -179,7 +182,8 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
     be_->set_threads(forward_threads(n));
-    fwd_.run(*be_, tokens.data() + c0, lay, from, out);
+    fwd_.run(*be_, tokens.data() + c0, lay, from, out, hidden ? &rows : nullptr);
+    if (hidden) hidden->insert(hidden->end(), rows.begin(), rows.end());
     be_->set_length(P + c0 + n);
   }
 }
@@ -210,7 +214,7 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
   begin_change();
   be_->set_threads(forward_threads(n));
   std::vector<float> logits;
-  fwd_.run(*be_, tokens.data(), lay, 0, &logits);
+  fwd_.run(*be_, tokens.data(), lay, 0, &logits, keep_hidden_ ? &tape_hidden_ : nullptr);
   tape_parents_ = parents;
   return logits;
 }
@@ -224,6 +228,11 @@ void Engine::commit(const std::vector<int>& path, bool fold_in_background) {
   be_->reserve(P + m);  // the only step that can fail: do it before changing anything
   be_->set_threads(threads_);
   be_->commit(P, path);
+  if (keep_hidden_) {
+    const size_t H = size_t(dims_.hidden);
+    for (int i : path)
+      hidden_.insert(hidden_.end(), tape_hidden_.begin() + i * H, tape_hidden_.begin() + (i + 1) * H);
+  }
   begin_change();
   // One thread folds what the next verify would fold on all of them: worth it only while the
   // caller works elsewhere (a draft model's single-threaded rows), which is the caller's call.
@@ -240,6 +249,8 @@ uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+}  // namespace
 
 // The draft's pick from one row of logits: argmax, or the keyed Gumbel-max sample among the
 // `top` best ids (as sampling.sample without filters; the tail beyond `top` is left out, which
@@ -266,7 +277,19 @@ int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint6
   return pick;
 }
 
-}  // namespace
+void rank_draft_rows(const float* z, int rows, int V, int k, const std::vector<int>& chain,
+                     std::vector<int>* ids, std::vector<double>* logp) {
+  ids->assign(size_t(rows) * k, 0);
+  logp->assign(ids->size(), 0.0);
+  for (int r = 0; r < rows; ++r) {
+    const float* row = z + size_t(r) * V;
+    const double lse = kernels().logsumexp(row, size_t(V));
+    int* out = ids->data() + size_t(r) * k;
+    out[0] = chain[r];
+    kernels().top_ids(row, V, k - 1, chain[r], out + 1);  // the k-1 best other ids
+    for (int j = 0; j < k; ++j) (*logp)[size_t(r) * k + j] = double(row[out[j]]) - lse;
+  }
+}
 
 int Engine::max_draft_prefix() const {
   // A backend that keeps no rows re-prefills the prefix after the chain: none is taken in.
@@ -330,6 +353,7 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   be_->append_kept(slots, threads_);
   draft_prefix_ = np;
   be_->set_length(R);
+  if (np) drop_hidden();
   return out;
 }
 
@@ -347,6 +371,7 @@ int Engine::keep_draft(const std::vector<int>& tokens) {
   be_->append_kept(slots, threads_);
   begin_change();  // drops the kept rows: the state moves on
   be_->set_length(position() + m);
+  if (m) drop_hidden();
   return m;
 }
 
@@ -364,16 +389,7 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
   k = std::min(k, V);
   std::vector<int> chain;  // draft_chain checks root and rows
   const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, prefix);
-  ids->assign(size_t(rows) * k, 0);
-  logp->assign(ids->size(), 0.0);
-  for (int r = 0; r < rows; ++r) {
-    const float* row = z.data() + size_t(r) * V;
-    const double lse = kernels().logsumexp(row, size_t(V));
-    int* out = ids->data() + size_t(r) * k;
-    out[0] = chain[r];
-    kernels().top_ids(row, V, k - 1, chain[r], out + 1);  // the k-1 best other ids
-    for (int j = 0; j < k; ++j) (*logp)[size_t(r) * k + j] = double(row[out[j]]) - lse;
-  }
+  rank_draft_rows(z.data(), rows, V, k, chain, ids, logp);
 }
 
 void Engine::reset() {
@@ -381,6 +397,27 @@ void Engine::reset() {
   join_fold();
   be_->reset();
   begin_change();
+  drop_hidden();
+}
+
+void Engine::drop_hidden() {
+  hidden_.clear();
+  hidden_from_ = position();
+}
+
+void Engine::set_keep_hidden(bool on) {
+  Use use(*this);
+  keep_hidden_ = on;
+  drop_hidden();
+}
+
+int Engine::take_hidden(std::vector<float>* rows) {
+  Use use(*this);
+  join_fold();
+  const int from = hidden_from_;
+  rows->swap(hidden_);
+  drop_hidden();
+  return from;
 }
 
 void Engine::fill_synthetic(int n, uint64_t seed) {
@@ -393,6 +430,7 @@ void Engine::fill_synthetic(int n, uint64_t seed) {
   be_->reserve(P + n);
   be_->fill_synthetic(P, n, seed);
   be_->set_length(P + n);
+  drop_hidden();
 }
 
 std::shared_ptr<Snapshot> Engine::snapshot() const {
@@ -417,6 +455,7 @@ void Engine::restore(const Snapshot& s) {
            " positions does not fit max_context ", max_context_);
   be_->restore(s);  // validates, then applies
   begin_change();
+  drop_hidden();
 }
 
 size_t Engine::kv_bytes_used() const {

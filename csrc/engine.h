@@ -19,6 +19,15 @@ struct EngineBusy : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A drafter's pick from a row of logits [V] for the token at `position`: the argmax (ties:
+// lower id) at temperature 0, else the sampler's keyed Gumbel-max sample among the `top` best.
+int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint64_t position,
+               int top);
+// Per row of z [rows][V]: chain[r] first, then the k-1 other most likely ids (ties: lower id),
+// with their log-probabilities under the row's softmax; ids and logp [rows][k].
+void rank_draft_rows(const float* z, int rows, int V, int k, const std::vector<int>& chain,
+                     std::vector<int>* ids, std::vector<double>* logp);
+
 class Engine {
  public:
   Engine(const ModelDims& dims, const TensorMap& weights, WFormat wfmt, KVDtype kv,
@@ -63,6 +72,15 @@ class Engine {
                         std::vector<int>* ids, std::vector<double>* logp,
                         const std::vector<int>& prefix = {});
   void reset();
+  // The target's final hidden states (after model.norm, [n][H]) of committed positions, for
+  // a drafter that reads them (the MTP head): while keep_hidden is on, prefill and commit keep
+  // the rows of the positions they commit (from the forward they already ran); take_hidden
+  // hands over those since the last take and returns the position of the first. A change
+  // that commits without a forward of its own (a snapshot's restore, keep_draft,
+  // fill_synthetic) leaves a gap: the next rows start past it.
+  void set_keep_hidden(bool on);
+  bool keep_hidden() const { return keep_hidden_; }
+  int take_hidden(std::vector<float>* rows);
   // Benchmarks of long contexts: append n synthetic positions (random K/V from `seed`; GDN
   // state left as it is) without paying for their prefill. Not a model computation.
   void fill_synthetic(int n, uint64_t seed);
@@ -88,6 +106,7 @@ class Engine {
   size_t weight_bytes() const { return weights_.bytes(); }
   size_t kv_bytes() const { return be_->kv_bytes(); }
   const std::string backend() const { return be_->name(); }
+  const ModelWeights& weights() const { return weights_; }
   size_t kv_bytes_used() const;
   size_t gdn_state_bytes() const;
   int threads() const { return threads_; }
@@ -114,7 +133,9 @@ class Engine {
 
   void check_tokens(const std::vector<int>& tokens) const;
   // Appends the logits prefill(tokens, all_rows) returns to *out.
-  void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out);
+  void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out,
+                      std::vector<float>* hidden = nullptr);
+  void drop_hidden();  // the committed state moved without hidden rows: start past the gap
   // Threads for a forward of `rows` tokens: one while its whole work is below kForwardRegions
   // regions of min_parallel_work(). A forward is ~10 regions a layer and a small one is all
   // hand-offs: the bundled draft (1.58M multiply-adds a token) drafted chains 13% faster on
@@ -138,6 +159,10 @@ class Engine {
   std::vector<int> tape_parents_;   // empty: no verify to commit
   std::vector<int> draft_tokens_;   // the last draft chain's processed tokens; row r's GDN
   int draft_prefix_ = 0;            // token is the backend's kept slot draft_prefix_ + r
+  bool keep_hidden_ = false;
+  std::vector<float> hidden_;       // final hidden rows of committed positions [hidden_from_, P)
+  std::vector<float> tape_hidden_;  // the last verify's rows [N][H]
+  int hidden_from_ = 0;
 };
 
 }  // namespace sapwood

@@ -67,46 +67,54 @@ QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WF
 
 }  // namespace
 
+std::vector<float> load_norm(const TensorMap& t, const std::string& name, int dim) {
+  return one_plus(get(t, name, {dim}));
+}
+
+LayerWeights load_layer(const ModelDims& d, const TensorMap& t, const std::string& p, bool attn,
+                        WFormat f) {
+  const int H = d.hidden, D = d.head_dim, C = d.conv_dim();
+  LayerWeights L;
+  L.in_norm = one_plus(get(t, p + "input_layernorm.weight", {H}));
+  L.post_norm = one_plus(get(t, p + "post_attention_layernorm.weight", {H}));
+  L.gate = qmat(t, p + "mlp.gate_proj.weight", d.inter, H, f);
+  L.up = qmat(t, p + "mlp.up_proj.weight", d.inter, H, f);
+  L.down = qmat(t, p + "mlp.down_proj.weight", H, d.inter, f);
+  if (attn) {
+    const std::string a = p + "self_attn.";
+    L.q = qmat(t, a + "q_proj.weight", 2 * d.n_heads * D, H, f);
+    L.k = qmat(t, a + "k_proj.weight", d.n_kv_heads * D, H, f);
+    L.v = qmat(t, a + "v_proj.weight", d.n_kv_heads * D, H, f);
+    L.o = qmat(t, a + "o_proj.weight", H, d.n_heads * D, f);
+    L.q_norm = one_plus(get(t, a + "q_norm.weight", {D}));
+    L.k_norm = one_plus(get(t, a + "k_norm.weight", {D}));
+  } else {
+    const std::string a = p + "linear_attn.";
+    L.qkv = qmat(t, a + "in_proj_qkv.weight", C, H, f);
+    L.z = qmat(t, a + "in_proj_z.weight", d.hv * d.dv, H, f);
+    L.out = qmat(t, a + "out_proj.weight", H, d.hv * d.dv, f);
+    const Tensor& b = get(t, a + "in_proj_b.weight", {d.hv, H});
+    const Tensor& aa = get(t, a + "in_proj_a.weight", {d.hv, H});
+    std::vector<float> ba(vec(b));
+    ba.insert(ba.end(), aa.data, aa.data + numel(aa));
+    L.ba.quantize(ba.data(), 2 * d.hv, H, WFormat::F32);
+    L.conv_w = vec(get(t, a + "conv1d.weight", {C, 1, d.conv_k}));
+    L.dt_bias = vec(get(t, a + "dt_bias", {d.hv}));
+    L.neg_exp_a = vec(get(t, a + "A_log", {d.hv}));
+    for (float& x : L.neg_exp_a) x = -std::exp(x);
+    L.gnorm = vec(get(t, a + "norm.weight", {d.dv}));
+  }
+  return L;
+}
+
 ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   ModelWeights w;
-  const int H = d.hidden, D = d.head_dim, C = d.conv_dim();
+  const int H = d.hidden;
   w.embed = qmat(t, "model.embed_tokens.weight", d.vocab, H, f);
   if (!d.tied) w.lm_head = qmat(t, "lm_head.weight", d.vocab, H, f);
   w.final_norm = one_plus(get(t, "model.norm.weight", {H}));
-  for (int i = 0; i < d.n_layers(); ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    LayerWeights L;
-    L.in_norm = one_plus(get(t, p + "input_layernorm.weight", {H}));
-    L.post_norm = one_plus(get(t, p + "post_attention_layernorm.weight", {H}));
-    L.gate = qmat(t, p + "mlp.gate_proj.weight", d.inter, H, f);
-    L.up = qmat(t, p + "mlp.up_proj.weight", d.inter, H, f);
-    L.down = qmat(t, p + "mlp.down_proj.weight", H, d.inter, f);
-    if (d.is_attn[i]) {
-      const std::string a = p + "self_attn.";
-      L.q = qmat(t, a + "q_proj.weight", 2 * d.n_heads * D, H, f);
-      L.k = qmat(t, a + "k_proj.weight", d.n_kv_heads * D, H, f);
-      L.v = qmat(t, a + "v_proj.weight", d.n_kv_heads * D, H, f);
-      L.o = qmat(t, a + "o_proj.weight", H, d.n_heads * D, f);
-      L.q_norm = one_plus(get(t, a + "q_norm.weight", {D}));
-      L.k_norm = one_plus(get(t, a + "k_norm.weight", {D}));
-    } else {
-      const std::string a = p + "linear_attn.";
-      L.qkv = qmat(t, a + "in_proj_qkv.weight", C, H, f);
-      L.z = qmat(t, a + "in_proj_z.weight", d.hv * d.dv, H, f);
-      L.out = qmat(t, a + "out_proj.weight", H, d.hv * d.dv, f);
-      const Tensor& b = get(t, a + "in_proj_b.weight", {d.hv, H});
-      const Tensor& aa = get(t, a + "in_proj_a.weight", {d.hv, H});
-      std::vector<float> ba(vec(b));
-      ba.insert(ba.end(), aa.data, aa.data + numel(aa));
-      L.ba.quantize(ba.data(), 2 * d.hv, H, WFormat::F32);
-      L.conv_w = vec(get(t, a + "conv1d.weight", {C, 1, d.conv_k}));
-      L.dt_bias = vec(get(t, a + "dt_bias", {d.hv}));
-      L.neg_exp_a = vec(get(t, a + "A_log", {d.hv}));
-      for (float& x : L.neg_exp_a) x = -std::exp(x);
-      L.gnorm = vec(get(t, a + "norm.weight", {d.dv}));
-    }
-    w.layers.push_back(std::move(L));
-  }
+  for (int i = 0; i < d.n_layers(); ++i)
+    w.layers.push_back(load_layer(d, t, "model.layers." + std::to_string(i) + ".", d.is_attn[i], f));
   return w;
 }
 
@@ -153,11 +161,35 @@ void Forward::attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& la
 namespace sapwood {
 
 void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
-                  std::vector<float>* logits) {
+                  std::vector<float>* logits, std::vector<float>* hidden) {
+  const int n = lay.n, H = d_.hidden;
+  const size_t nh = size_t(n) * H;
+  Act x = be.scratch(kX, nh);
+  be.embed(w_.embed, tokens, n, x);
+  run_layers(be, x, lay);
+  Act h = be.scratch(kH, nh);
+  const int m = n - logit_from;
+  be.rms_norm(x + size_t(logit_from) * H, w_.final_norm, m, H, d_.eps, h);
+  if (hidden) {  // the rows before logit_from are normed on their own: h's rows stay as they were
+    hidden->resize(nh);
+    if (logit_from > 0) {
+      Act hx = be.scratch(kMix, size_t(logit_from) * H);
+      be.rms_norm(x, w_.final_norm, logit_from, H, d_.eps, hx);
+      be.download(hx, size_t(logit_from) * H, hidden->data());
+    }
+    be.download(h, size_t(m) * H, hidden->data() + size_t(logit_from) * H);
+  }
+  Act y = be.scratch(kLogits, size_t(m) * d_.vocab);
+  be.matmul(h, m, {{&w_.head(), y}});
+  const size_t at = logits->size();
+  logits->resize(at + size_t(m) * d_.vocab);
+  be.download(y, size_t(m) * d_.vocab, logits->data() + at);
+}
+
+void Forward::run_layers(Backend& be, Act x, const BatchLayout& lay) {
   const int n = lay.n, H = d_.hidden, I = d_.inter;
   const size_t nh = size_t(n) * H, ni = size_t(n) * I;
-  Act x = be.scratch(kX, nh), h = be.scratch(kH, nh), mix = be.scratch(kMix, nh);
-  be.embed(w_.embed, tokens, n, x);
+  Act h = be.scratch(kH, nh), mix = be.scratch(kMix, nh);
   Act g = be.scratch(kGate, ni), u = be.scratch(kUp, ni);
   // RoPE's (cos, sin) per row and frequency, once a forward rather than per head set and
   // attention layer (in double from the position, as before: the same bits).
@@ -187,13 +219,6 @@ void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int lo
     be.matmul(g, n, {{&L.down, mix}});
     be.add(x, mix, nh);
   }
-  const int m = n - logit_from;
-  be.rms_norm(x + size_t(logit_from) * H, w_.final_norm, m, H, d_.eps, h);
-  Act y = be.scratch(kLogits, size_t(m) * d_.vocab);
-  be.matmul(h, m, {{&w_.head(), y}});
-  const size_t at = logits->size();
-  logits->resize(at + size_t(m) * d_.vocab);
-  be.download(y, size_t(m) * d_.vocab, logits->data() + at);
 }
 
 }  // namespace sapwood

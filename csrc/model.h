@@ -65,6 +65,12 @@ struct ModelWeights {
 };
 
 ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat fmt);
+// One decoder layer's weights under `prefix` ("model.layers.3.", "mtp.layers.0."): full
+// attention when `attn`, else GDN. Missing or misshapen tensors throw naming the tensor.
+LayerWeights load_layer(const ModelDims& d, const TensorMap& t, const std::string& prefix, bool attn,
+                        WFormat fmt);
+// A named tensor of exactly `shape`, checked; its values as (1 + w) (zero-centred RMSNorm).
+std::vector<float> load_norm(const TensorMap& t, const std::string& name, int dim);
 
 // Where a batch of rows sits: row i at absolute position pos[i]. Attention keys of positions
 // < hist_len come from pages; >= hist_len from this batch's rows via anc (see AttnProblem).
@@ -85,8 +91,13 @@ class Forward {
   Forward& operator=(const Forward&) = delete;
   // Runs the rows through every layer and appends the logits of rows [logit_from, n)
   // ([n - logit_from][V]) to *logits: a draft chain collects its rows in one buffer.
+  // `hidden` (if given) receives the final-normed rows [n][H] (what the LM head reads), for
+  // drafters that read the target's hidden states (the MTP head); the logits are the same bits.
   void run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
-           std::vector<float>* logits);
+           std::vector<float>* logits, std::vector<float>* hidden = nullptr);
+  // The decoder layers alone over rows x [n][H] (in place), RoPE at lay.pos: what run() does
+  // between the embedding and the final norm (the MTP head feeds its own rows in).
+  void run_layers(Backend& be, Act x, const BatchLayout& lay);
 
   // Activations, kept by the backend from one forward to the next (an engine runs one at a
   // time; fresh buffers per forward cost malloc, free and zeroing); every buffer is written in

@@ -27,8 +27,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text ('-' reads standard input)")
     _add_model_args(p)
     p.add_argument("--drafter", default=None,
-                   help="'lookup', 'default', a draft checkpoint directory; default: the "
-                        "model's attached draft, else lookup")
+                   help="'mtp' (the checkpoint's own MTP head), 'lookup', 'default', a draft "
+                        "checkpoint directory; default: the model's attached draft, else the "
+                        "MTP head when the checkpoint has one, else lookup")
     p.add_argument("--verify", default="auto", choices=["off", "chain", "tree", "auto"])
     p.add_argument("--width", type=int, default=None, help="tree width (tree) or largest width (auto)")
     p.add_argument("--rows", type=int, default=8, help="draft rows per cycle")

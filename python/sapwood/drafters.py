@@ -200,3 +200,58 @@ class ModelDrafter:
                                                  self.seed, self._pending)
         self._pending = []
         return Lattice(tokens=ids, logprobs=logp)
+
+
+class MtpDrafter:
+    """The checkpoint's own multi-token-prediction head (Model.mtp, a _core.MtpHead; the math:
+    reference/mtp.py). Its row j reads the target's final hidden state at position j and the
+    token after it: the target engine keeps those rows from the prefill and verifies it runs
+    anyway (Engine.keep_hidden / take_hidden), and the head commits them when it next drafts,
+    in the draft's first forward, whose last row (the root's) predicts the first draft token.
+    Deeper rows feed the head's own output and pick back in; they are rolled back.
+
+    Where the target's rows have a gap (a snapshot restored, e.g. generate(cache_prompt=True))
+    the head starts over at the first row it has: its positions are then offset, which RoPE's
+    relative form leaves nearly alone, but the history before the gap is missing, so drafts
+    there are worse. The output never depends on it (DESIGN.md "Exactness")."""
+
+    def __init__(self, model, top_k: int = 4):
+        if model.mtp is None:
+            raise ValueError(f"{model.path}: the checkpoint has no MTP head")
+        self.head, self.engine, self.top_k = model.mtp, model.engine, int(top_k)
+        self.policy_key = ("mtp", id(model))  # Model.speculation_policy: one state per head
+        self.vocab_size = model.config.vocab_size
+        self.hidden_size = model.config.hidden_size
+        self.temperature, self.seed = 0.0, 0
+        self.engine.keep_hidden = True
+        self.reset()
+
+    def set_sampling(self, temperature: float, seed: int) -> None:
+        """The request's sampling temperature and seed (0: greedy chain)."""
+        self.temperature, self.seed = float(temperature), int(seed)
+
+    def reset(self) -> None:
+        self.head.reset()
+        self._from = 0  # the target position of the head's next row
+        self._rows = np.zeros((0, self.hidden_size), np.float32)  # target rows from _from on
+
+    def advance(self, committed) -> None:
+        pass  # the target's rows arrive through the engine (take_hidden) when the head drafts
+
+    def draft(self, context, root, rows) -> Lattice:
+        start, new = self.engine.take_hidden()
+        if start == self._from + len(self._rows):
+            self._rows = np.concatenate([self._rows, new]) if len(self._rows) else new
+        else:  # a gap, or the target was reset: start over at the rows there are
+            self.head.reset()
+            self._from, self._rows = start, new
+        n, Q = len(self._rows), self.engine.position
+        rows = min(rows, self.head.max_context - self.head.position - n + 1)
+        if n == 0 or self._from + n != Q or rows <= 0:
+            return Lattice()  # nothing to read (keep_hidden was turned off): no draft
+        # row j (target position _from + j) reads the token after it: the context's, the root's
+        tokens = list(context[self._from + 1:Q]) + [int(root)]
+        ids, logp = self.head.draft(self._rows, tokens, rows, self.top_k, self.temperature,
+                                    self.seed, Q + 1)
+        self._from, self._rows = Q, self._rows[:0]
+        return Lattice(tokens=ids, logprobs=logp)

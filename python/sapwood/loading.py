@@ -16,6 +16,7 @@ import numpy as np
 from . import _core
 from .model import Model
 from .reference.model import FULL, ModelConfig, expected_shapes, normalize_names
+from .reference.mtp import MTP_CONFIG_KEY, check_mtp_tensors, mtp_tensors
 from .safetensors_io import load_checkpoint_weights
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
@@ -175,6 +176,7 @@ class Checkpoint:
     tokenizer: object
     generation_config: dict
     chat_template: str | None
+    mtp_weights: dict | None = None  # the MTP head's tensors (config mtp_num_hidden_layers > 0)
 
 
 def read_checkpoint(path) -> Checkpoint:
@@ -193,7 +195,16 @@ def read_checkpoint(path) -> Checkpoint:
         if eos is not None and any(type(e) is not int or e < 0 for e in eos_list):
             raise ValueError(f"{d / 'generation_config.json'}: eos_token_id={eos!r}: must be a "
                              "token id or a list of them")
-    weights = check_weights(cfg, normalize_names(load_checkpoint_weights(d)))
+    tensors = load_checkpoint_weights(d)
+    weights = check_weights(cfg, normalize_names(tensors))
+    mtp = None
+    if cfg.mtp_layers:  # a head the config does not announce is ignored, as transformers does
+        mtp = mtp_tensors(tensors)
+        try:
+            check_mtp_tensors(cfg, mtp)
+        except ValueError as e:
+            raise ValueError(f"{d}: {e}") from None
+        mtp = {n: np.ascontiguousarray(x, dtype=np.float32) for n, x in mtp.items()}
     tokenizer = None
     if (d / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -205,7 +216,7 @@ def read_checkpoint(path) -> Checkpoint:
         if n > cfg.vocab_size:  # ids past the embedding table would index out of bounds
             raise ValueError(f"{d / 'tokenizer.json'}: {n} tokens, more than the model's "
                              f"vocab_size={cfg.vocab_size}")
-    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d))
+    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp)
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -258,4 +269,10 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     model = Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
                   weights=weights, kv=kv, backend=backend, max_context=max_context)
     model.policy_cache = bool(policy_cache)
+    if ck.mtp_weights is not None and ck.config.mtp_layers == 1:
+        model.mtp = _core.MtpHead(engine, ck.mtp_weights, weights, kv, max_context,
+                                  0 if threads is None else threads, backend)
+    elif ck.mtp_weights is not None:  # vLLM cycles deeper heads by draft row; not done here
+        model.mtp_unsupported = (f"{MTP_CONFIG_KEY}={ck.config.mtp_layers}: sapwood runs MTP "
+                                 "heads of one layer")
     return model

@@ -32,6 +32,8 @@ class Model:
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
         self.draft = None        # an attached draft Model (the bundled default has one)
+        self.mtp = None          # the checkpoint's MTP head (_core.MtpHead), when it has one
+        self.mtp_unsupported = None  # why a head the checkpoint has is not run
         # per drafter (speculation_policy()): costs and acceptance calibration across requests
         self._policies: dict = {}
         self.policy_cache = True  # policy_cache.py: keep the calibration across processes
@@ -75,13 +77,19 @@ class Model:
         return tuple(int(e) for e in eos)
 
     def resolve_drafter(self, drafter):
-        """None -> the attached draft model, else prompt lookup; "lookup"; "default" (the
+        """None -> an attached draft model (model.draft: the user's, or load("default")'s),
+        else the checkpoint's MTP head, else prompt lookup; "mtp"; "lookup"; "default" (the
         bundled draft); a checkpoint path; a loaded Model; or any object with draft/advance."""
-        from .drafters import LookupDrafter, ModelDrafter
+        from .drafters import LookupDrafter, ModelDrafter, MtpDrafter
         from .loading import load
 
         if drafter is None:
-            drafter = self.draft if self.draft is not None else "lookup"
+            drafter = self.draft if self.draft is not None else "mtp" if self.mtp is not None else "lookup"
+        if isinstance(drafter, str) and drafter == "mtp":
+            if self.mtp is None:
+                raise ValueError(f"drafter='mtp': {self.mtp_unsupported or 'this checkpoint has no MTP head'}"
+                                 f" ({self.path})")
+            return MtpDrafter(self)
         if isinstance(drafter, str) and drafter == "lookup":
             return LookupDrafter()
         if isinstance(drafter, str) and drafter == "default":
@@ -89,7 +97,7 @@ class Model:
             drafter = default_draft_path()
         if isinstance(drafter, (str, Path)):
             if not Path(drafter).is_dir():
-                raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'lookup', 'default', "
+                raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'mtp', 'lookup', 'default', "
                                  "a draft checkpoint directory or a loaded Model")
             key = str(Path(drafter).resolve())
             cache = self.__dict__.setdefault("_draft_models", {})

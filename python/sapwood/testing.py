@@ -118,10 +118,11 @@ def to_tiled_order(weights: dict, config: dict) -> dict:
     return out
 
 
-def _random_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
+def _random_weights(config: dict, seed: int, shapes: dict | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = {}
-    for name, shape in expected_shapes(ModelConfig.from_dict(config)).items():
+    shapes = expected_shapes(ModelConfig.from_dict(config)) if shapes is None else shapes
+    for name, shape in shapes.items():
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
         if leaf == "embed_tokens":
             x = rng.normal(0.0, 1.0, shape)
@@ -161,8 +162,15 @@ def save_bf16(weights: dict, filename, metadata: dict) -> None:
 
 def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=False, hk=2, hv=4,
                          dk=16, dv=16, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=128,
-                         conv_kernel=4, head_order="grouped", dtype="float32", layer_types=None) -> dict:
+                         conv_kernel=4, head_order="grouped", dtype="float32", layer_types=None,
+                         mtp=False, layout="plain") -> dict:
     """Write an HF-format Qwen3_5ForCausalLM directory at `path`; return its config dict.
+
+    mtp=True adds a multi-token-prediction head (`mtp.*`, random, one layer; config
+    mtp_num_hidden_layers=1) without changing the target's weights. layout="multimodal" writes
+    the Qwen3_5ForConditionalGeneration layout: config `qwen3_5` with the text config nested,
+    the target's tensors under `model.language_model.*`, `mtp.*` at the top level (the
+    returned dict is the text config either way).
 
     head_order "tiled" writes the same model (same seed -> same function) with the GDN value
     heads permuted (see to_tiled_order) and `sapwood_gdn_head_order: "tiled"` in config.json;
@@ -174,6 +182,8 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
 
     if head_order not in ("grouped", "tiled"):
         raise ValueError(f"head_order must be 'grouped' or 'tiled', got {head_order!r}")
+    if layout not in ("plain", "multimodal"):
+        raise ValueError(f"layout must be 'plain' or 'multimodal', got {layout!r}")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     path = Path(path)
@@ -218,7 +228,18 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
     if head_order == "tiled":
         config[HEAD_ORDER_KEY] = "tiled"
         weights = to_tiled_order(weights, config)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if mtp:
+        from .reference.mtp import MTP_CONFIG_KEY, expected_mtp_shapes
+        config[MTP_CONFIG_KEY] = 1
+        # its own stream: the target's weights stay those of the same seed without a head
+        weights.update(_random_weights(config, seed + 7919, expected_mtp_shapes(ModelConfig.from_dict(config))))
+    on_disk = config
+    if layout == "multimodal":
+        weights = {n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n: x
+                   for n, x in weights.items()}
+        on_disk = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                   "text_config": config, "tie_word_embeddings": tied}
+    (path / "config.json").write_text(json.dumps(on_disk, indent=2) + "\n")
     meta = {"format": "pt"}  # transformers refuses safetensors files without it
     if dtype == "bfloat16":
         save_bf16(weights, path / "model.safetensors", meta)

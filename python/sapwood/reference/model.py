@@ -89,6 +89,7 @@ class ModelConfig:
     conv_kernel: int
     head_order: str = "grouped"
     eos_token_ids: tuple[int, ...] = ()
+    mtp_layers: int = 0     # mtp_num_hidden_layers: the checkpoint's MTP head (reference/mtp.py)
 
     @property
     def num_layers(self) -> int:
@@ -176,7 +177,8 @@ class ModelConfig:
             hk=hk, dk=_int_key(c, "linear_key_head_dim", 128), hv=hv,
             dv=_int_key(c, "linear_value_head_dim", 128),
             conv_kernel=_int_key(c, "linear_conv_kernel_dim", 4),
-            head_order=order, eos_token_ids=eos)
+            head_order=order, eos_token_ids=eos,
+            mtp_layers=_int_key(c if "mtp_num_hidden_layers" in c else config, "mtp_num_hidden_layers", 0, lo=0))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -218,7 +220,8 @@ def normalize_names(weights: dict) -> dict:
     """Map composite-checkpoint names onto ForCausalLM names; drop what the text model ignores.
 
     HF: Qwen3_5ForConditionalGeneration stores `model.language_model.*`; `mtp.*` (multi-token
-    prediction heads) and `model.visual.*` are ignored by Qwen3_5ForCausalLM on load.
+    prediction heads) and `model.visual.*` are ignored by Qwen3_5ForCausalLM on load (the MTP
+    head's tensors: reference.mtp.mtp_tensors).
     """
     out = {}
     for name, w in weights.items():
@@ -349,13 +352,23 @@ class ReferenceModel:
     def verify(self, tokens, parents) -> np.ndarray:
         """Logits [N, V] for a tree of tokens (node i at position length + depth(i)); the
         committed state is unchanged until commit()."""
+        return self.forward(tokens, parents)[1]
+
+    def forward(self, tokens, parents, x=None) -> tuple[np.ndarray, np.ndarray]:
+        """verify(), returning (final hidden states after model.norm [N, H], logits [N, V]).
+        x [N, H]: the rows that enter the first layer instead of the tokens' embeddings (the
+        MTP head feeds its fc output in)."""
         cfg = self.cfg
         tokens = np.asarray(tokens, np.int64)
         pos = self.length + depths(parents)
         if tokens.shape != pos.shape or tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"tokens must be {pos.size} ids in [0, {cfg.vocab_size})")
         self._tape = {"parents": check_parents(parents)}
-        x = np.asarray(self.w["model.embed_tokens.weight"][tokens], np.float64)
+        if x is None:
+            x = np.asarray(self.w["model.embed_tokens.weight"][tokens], np.float64)
+        elif np.shape(x) != (tokens.size, cfg.hidden_size):
+            raise ValueError(f"x has shape {np.shape(x)}, expected {(tokens.size, cfg.hidden_size)}")
+        x = np.asarray(x, np.float64)
         for i, kind in enumerate(cfg.layer_types):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
@@ -364,7 +377,7 @@ class ReferenceModel:
             x = x + self._lin(silu(self._lin(y, p + "mlp.gate_proj.weight")) *
                               self._lin(y, p + "mlp.up_proj.weight"), p + "mlp.down_proj.weight")
         x = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
-        return x @ self.lm_head.T
+        return x, x @ self.lm_head.T
 
     def commit(self, path) -> None:
         """Commit nodes path = [0, ..., leaf] of the last verify()."""
