@@ -201,3 +201,18 @@ def test_bad_head_calls(head):
         model.mtp.prefill(np.zeros((2, 64), np.float32), [1, 2, 3])
     with pytest.raises(ValueError, match="k must be >= 1"):
         model.mtp.draft(np.zeros((1, 64), np.float32), [1], 2, 0)
+
+
+def test_bundled_target_ships_a_trained_head():
+    """The bundled target carries its MTP head (scripts/train_mtp.py) in the real layout: it
+    loads, generates plain decoding's tokens, and the target keeps some of its drafts (a chain
+    that kept none would make 1.0 tokens per cycle)."""
+    from sapwood.loading import default_target_path
+
+    m = sapwood.load(default_target_path(), max_context=1024)
+    assert m.mtp is not None and m.config.mtp_layers == 1
+    prompt = "def merge(a, b):\n"
+    plain = m.generate(prompt, max_tokens=32, verify="off").tokens
+    r = m.generate(prompt, max_tokens=32, verify="chain", drafter="mtp")
+    assert r.tokens == plain
+    assert r.stats.tokens_per_cycle > 1.1
