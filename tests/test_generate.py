@@ -54,7 +54,9 @@ def test_identical_tokens_across_modes(models, drafter, temperature, n_prompt):
         assert r.tokens == base, f"{key} differs from plain decoding"
         assert r.finish_reason == runs[("off", None)].finish_reason
     if drafter == "self" and temperature == 0.0:
-        assert runs[("chain", None)].stats.tokens_per_cycle > 4  # paths were long
+        # paths were long: the fixed draft length's chain (the adaptive one's depth follows
+        # measured costs, so it depends on the machine's load)
+        assert runs[("chain", "rows=8")].stats.tokens_per_cycle > 4
 
 
 def test_identical_tokens_with_penalties_and_top_p(models):
