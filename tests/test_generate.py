@@ -439,21 +439,6 @@ def test_tree_of_width_w_drafts_at_most_w_minus_1_rows(models, width):
     else:
         assert d.asked and max(d.asked) == min(8, width - 1)
 
-@pytest.mark.parametrize("width", [1, 2, 4, 16])
-def test_tree_of_width_w_drafts_at_most_w_minus_1_rows(models, width):
-    """Rows past a tree's reach are not drafted; the output is plain decoding's either way."""
-    target, _ = models
-    p = prompt(12, seed=5) * 3  # repeats: the lookup finds matches
-    off = target.generate(p, max_tokens=40, verify="off").tokens
-    d = RowsDrafter()
-    r = target.generate(p, max_tokens=40, verify="tree", width=width, drafter=d, rows=8)
-    assert r.tokens == off
-    if width == 1:
-        assert not d.asked  # the root alone: nothing to draft
-        assert d.advanced == 0  # and nothing to keep the drafter up to date for
-    else:
-        assert d.asked and max(d.asked) == min(8, width - 1)
-
 
 def test_the_first_round_drafts_first_rows_then_what_the_costs_say(models):
     """Nothing known of costs: the first round drafts first_rows; with every row rejected round
