@@ -102,7 +102,9 @@ class Backend {
   virtual void keep_row(int slot, int row) = 0;
   virtual void append_kept(const std::vector<int>& slots, int threads) = 0;
 
-  virtual void fill_synthetic(int P, int n, uint64_t seed) = 0;  // random K/V (benchmarks)
+  // Attention layer a's keys and values [n][Hkv][D] at positions [P, P + n), reserved
+  // (Engine::fill_synthetic's benchmark contexts).
+  virtual void write_kv(int a, int P, int n, const float* k, const float* v) = 0;
   virtual void snapshot(Snapshot* s) const = 0;
   virtual void restore(const Snapshot& s) = 0;  // validated by the engine first
 

@@ -162,8 +162,8 @@ void CpuBackend::commit(int P, const std::vector<int>& path) {
 }
 
 void CpuBackend::save_gdn() {
-  // into the same buffers every time: fresh vectors, and the frees of the old ones, were a
-  // tenth of a draft chain's time in malloc
+  // into the same buffers every time: a draft chain saves once per chain, and fresh vectors
+  // would cost an allocation and a free per buffer each time
   saved_gdn_.resize(gdn_.size());
   for (size_t i = 0; i < gdn_.size(); ++i) gdn_[i].save(&saved_gdn_[i]);
 }
@@ -195,20 +195,9 @@ void CpuBackend::append_kept(const std::vector<int>& slots, int threads) {
   }
 }
 
-void CpuBackend::fill_synthetic(int P, int n, uint64_t seed) {
-  const int Hkv = d_.n_kv_heads, D = d_.head_dim;
-  std::vector<float> k(size_t(Hkv) * D), v(k.size());
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto next = [&] {  // xorshift: uniform in [-1, 1)
-    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
-    return float(int64_t(z >> 11) - (int64_t(1) << 52)) / float(int64_t(1) << 52);
-  };
-  for (int p = P; p < P + n; ++p)
-    for (size_t a = 0; a < tape_.size(); ++a) {
-      for (auto& x : k) x = next();
-      for (auto& x : v) x = next();
-      seq_->write(p, int(a), k.data(), v.data());
-    }
+void CpuBackend::write_kv(int a, int P, int n, const float* k, const float* v) {
+  const size_t row = size_t(d_.n_kv_heads) * d_.head_dim;
+  for (int i = 0; i < n; ++i) seq_->write(P + i, a, k + i * row, v + i * row);
 }
 
 void CpuBackend::snapshot(Snapshot* s) const {

@@ -48,7 +48,7 @@ class CpuBackend final : public Backend {
   bool keeps_rows() const override { return true; }
   void keep_row(int slot, int row) override;
   void append_kept(const std::vector<int>& slots, int threads) override;
-  void fill_synthetic(int P, int n, uint64_t seed) override;
+  void write_kv(int a, int P, int n, const float* k, const float* v) override;
   void snapshot(Snapshot* s) const override;
   void restore(const Snapshot& s) override;
   size_t kv_bytes() const override { return pool_->bytes(); }

@@ -428,7 +428,26 @@ void Engine::fill_synthetic(int n, uint64_t seed) {
   begin_change();
   const int P = position();
   be_->reserve(P + n);
-  be_->fill_synthetic(P, n, seed);
+  // random K/V in [-1, 1), position by position and layer by layer (k, then v), handed to the
+  // backend a chunk of positions at a time so a long context needs no buffer of its size
+  constexpr int kChunk = 256;
+  const size_t row = size_t(dims_.n_kv_heads) * dims_.head_dim;
+  const int layers = dims_.n_attn();
+  std::vector<std::vector<float>> k(layers, std::vector<float>(kChunk * row)), v = k;
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
+  auto next = [&] {  // xorshift
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    return float(int64_t(z >> 11) - (int64_t(1) << 52)) / float(int64_t(1) << 52);
+  };
+  for (int c0 = 0; c0 < n; c0 += kChunk) {
+    const int m = std::min(kChunk, n - c0);
+    for (int p = 0; p < m; ++p)
+      for (int a = 0; a < layers; ++a) {
+        for (size_t i = 0; i < row; ++i) k[a][p * row + i] = next();
+        for (size_t i = 0; i < row; ++i) v[a][p * row + i] = next();
+      }
+    for (int a = 0; a < layers; ++a) be_->write_kv(a, P + c0, m, k[a].data(), v[a].data());
+  }
   be_->set_length(P + n);
   drop_hidden();
 }

@@ -7,19 +7,17 @@
 #include "../../metal/sw_common.h"
 #include "../../metal/sw_plan.h"
 #include "../common.h"
+#include "launch.h"
 
 namespace sapwood {
 
+using gpu::blocks;
+using gpu::buf;
+using gpu::grid;
+using gpu::round32;
+using gpu::val;
 namespace {
 constexpr int kQ8Threads = SW_Q8_THREADS, kQ8Rows = SW_Q8_MAX_ROWS;
-template <class T> gpu::Arg val(const T& v) { return gpu::Arg::value(v); }
-gpu::Arg buf(const gpu::Buffer& b, size_t byte_offset = 0) { return gpu::Arg::of(b, byte_offset); }
-gpu::Launch grid(uint32_t x, uint32_t y, int threads, std::vector<size_t> tg = {}) {
-  gpu::Launch l;
-  l.groups[0] = x, l.groups[1] = y, l.threads = threads, l.threadgroup_bytes = std::move(tg);
-  return l;
-}
-uint32_t blocks(size_t n, int per) { return uint32_t((n + per - 1) / per); }
 }  // namespace
 
 GpuBackend::GpuBackend(std::unique_ptr<gpu::Device> dev, const ModelDims& d,

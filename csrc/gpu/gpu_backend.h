@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 
+#include "../../metal/sw_plan.h"
 #include "../backend.h"
 #include "device.h"
 
@@ -55,7 +56,7 @@ class GpuBackend final : public Backend {
   bool keeps_rows() const override { return false; }
   void keep_row(int, int) override {}
   void append_kept(const std::vector<int>&, int) override {}
-  void fill_synthetic(int P, int n, uint64_t seed) override;
+  void write_kv(int a, int P, int n, const float* k, const float* v) override;
   void snapshot(Snapshot* s) const override;
   void restore(const Snapshot& s) override;
   size_t kv_bytes() const override;
@@ -110,7 +111,8 @@ class GpuBackend final : public Backend {
   gpu::Buffer tokens_, parents_, anc_, row_len_, path_, ident_, table_buf_, xq_, xs_, part_;
   gpu::Buffer kt8_, kts_, vt8_, vts_, gq_, gk_, gv_, tmp_, empty_;
   long forward_ = 0, planned_forward_ = -1;
-  int plan_stride_ = 0;
+  SwAttnPlan attn_plan_{};            // this forward's tree-attention plan and rows' lengths
+  std::vector<int> row_len_host_;
   std::vector<int> table_, free_;  // page table, free pages
   int length_ = 0;
 };

@@ -8,20 +8,16 @@
 #include "../../metal/sw_common.h"
 #include "../../metal/sw_plan.h"
 #include "../common.h"
+#include "launch.h"
 #include "gpu_backend.h"
 
 namespace sapwood {
 
-namespace {
-template <class T> gpu::Arg val(const T& v) { return gpu::Arg::value(v); }
-gpu::Arg buf(const gpu::Buffer& b, size_t byte_offset = 0) { return gpu::Arg::of(b, byte_offset); }
-gpu::Launch grid(uint32_t x, uint32_t y, int threads, std::vector<size_t> tg = {}) {
-  gpu::Launch l;
-  l.groups[0] = x, l.groups[1] = y, l.threads = threads, l.threadgroup_bytes = std::move(tg);
-  return l;
-}
-int round32(int n) { return (n + 31) / 32 * 32; }
-}  // namespace
+using gpu::blocks;
+using gpu::buf;
+using gpu::grid;
+using gpu::round32;
+using gpu::val;
 
 // ---- pages ----
 
@@ -68,18 +64,17 @@ void GpuBackend::gather(const gpu::Buffer& src, const gpu::Buffer& idx, int n, i
 void GpuBackend::plan(const BatchLayout& lay) {
   if (planned_forward_ == forward_) return;  // every layer of a forward reads the same
   const int n = lay.n, hist = lay.prefill ? lay.hist_len - n : lay.hist_len;
-  std::vector<int> par(n), ident(n), depth(n), anc(size_t(n) * n), rl(n);
+  std::vector<int> par(n), ident(n), depth(n), anc(size_t(n) * n);
   for (int i = 0; i < n; ++i) par[i] = lay.prefill ? i - 1 : lay.parents[i], ident[i] = i;
   put(&parents_, par.data(), size_t(n) * 4);
   put(&ident_, ident.data(), size_t(n) * 4);
   if (!kv_.empty()) {
     const int max_sg = std::max(1, dev_->max_threads(dev_->pipeline("tree_attn_partial")) / 32);
-    SwAttnPlan plan;
+    row_len_host_.resize(n);
     SW_CHECK(sw_attn_plan(par.data(), n, hist, d_.n_heads, d_.n_kv_heads, max_sg, depth.data(),
-                          anc.data(), rl.data(), &plan) == 0, "bad tree");
-    plan_stride_ = plan.stride;
-    put(&anc_, anc.data(), size_t(n) * plan.stride * 4);
-    put(&row_len_, rl.data(), size_t(n) * 4);
+                          anc.data(), row_len_host_.data(), &attn_plan_) == 0, "bad tree");
+    put(&anc_, anc.data(), size_t(n) * attn_plan_.stride * 4);
+    put(&row_len_, row_len_host_.data(), size_t(n) * 4);
   }
   planned_forward_ = forward_;
 }
@@ -90,20 +85,16 @@ void GpuBackend::attend(int a, Act q, const BatchLayout& lay, Act out) {
   // tree path, with the same int8 operands the pages will hold); a verify's are its tree.
   const int hist = lay.prefill ? lay.hist_len - n : lay.hist_len;
   plan(lay);
-  const int max_sg = std::max(1, dev_->max_threads(dev_->pipeline("tree_attn_partial")) / 32);
+  const SwAttnPlan& plan = attn_plan_;
   KVLayer& L = kv_[a];
   const size_t vals = size_t(n) * Hkv * D;
   ensure(&kt8_, vals), ensure(&vt8_, vals), ensure(&kts_, vals / 8), ensure(&vts_, vals / 8);
   quantize_kv(L.tk, n, 0, kt8_, kts_, false);
   quantize_kv(L.tv, n, 0, vt8_, vts_, false);
-  SwAttnPlan plan{n, plan_stride_, Hq / Hkv, 0};
-  plan.rows_per_block = std::max(1, max_sg * SW_ATTN_MAXP / plan.grp);
-  std::vector<int> rl(n);
-  for (int i = 0; i < n; ++i) rl[i] = static_cast<const int*>(row_len_.host)[i];
   const float scale = 1.0f / std::sqrt(float(D));
   int nr = 0, n_chunks = 0, nsg = 0;
   for (int r0 = 0; r0 < n; r0 += nr) {
-    sw_attn_block(plan, rl.data(), r0, kAttnSplit, &nr, &n_chunks, &nsg);
+    sw_attn_block(plan, row_len_host_.data(), r0, kAttnSplit, &nr, &n_chunks, &nsg);
     ensure(&part_, sizeof(float) * n_chunks * nr * Hq * (D + 2));
     const SwAttnParams p{nr, Hq, Hkv, D, hist, page_size_, kAttnSplit, n_chunks, plan.stride, scale};
     const size_t qo = sizeof(float) * r0 * Hq * D;
@@ -201,28 +192,14 @@ void GpuBackend::reset() {
 
 // ---- benchmarks, snapshots, sizes ----
 
-void GpuBackend::fill_synthetic(int P, int n, uint64_t seed) {
-  // the CPU backend's random K/V, position by position, quantized into the pages
-  const size_t row = size_t(d_.n_kv_heads) * d_.head_dim;
-  std::vector<std::vector<float>> k(kv_.size(), std::vector<float>(size_t(n) * row)), v = k;
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto next = [&] {  // xorshift: uniform in [-1, 1)
-    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
-    return float(int64_t(z >> 11) - (int64_t(1) << 52)) / float(int64_t(1) << 52);
-  };
-  for (int p = 0; p < n; ++p)
-    for (size_t a = 0; a < kv_.size(); ++a) {
-      for (size_t i = 0; i < row; ++i) k[a][p * row + i] = next();
-      for (size_t i = 0; i < row; ++i) v[a][p * row + i] = next();
-    }
-  for (size_t a = 0; a < kv_.size(); ++a) {
-    put(&tmp_, k[a].data(), k[a].size() * 4);
-    quantize_kv(tmp_, n, P, kv_[a].k, kv_[a].ks, true);
-    sync();  // tmp_ is written again next
-    put(&tmp_, v[a].data(), v[a].size() * 4);
-    quantize_kv(tmp_, n, P, kv_[a].v, kv_[a].vs, true);
-    sync();
-  }
+void GpuBackend::write_kv(int a, int P, int n, const float* k, const float* v) {
+  const size_t bytes = sizeof(float) * n * d_.n_kv_heads * d_.head_dim;
+  put(&tmp_, k, bytes);
+  quantize_kv(tmp_, n, P, kv_[a].k, kv_[a].ks, true);
+  sync();  // tmp_ is written again next
+  put(&tmp_, v, bytes);
+  quantize_kv(tmp_, n, P, kv_[a].v, kv_[a].vs, true);
+  sync();
 }
 
 void GpuBackend::snapshot(Snapshot* s) const {
