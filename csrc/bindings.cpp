@@ -157,6 +157,36 @@ PYBIND11_MODULE(_core, m) {
     if (sums[0] == 42) best += 0;  // keep the loads alive
     return double(buf.size() * 8) / best;
   }, py::arg("nbytes") = size_t(1) << 29, py::arg("threads") = 0, py::arg("repeats") = 3);
+  m.def("int8_peak", [](int threads, double seconds, int repeats) {
+    // Multiply-adds/s of the variant in use's int8 microkernel (kernels/peak.inc) run from
+    // registers on `threads` threads at once: the compute roof of an int8 matmul or dot.
+    // Best of `repeats` after one warm pass, each about `seconds` long.
+    SW_CHECK(seconds > 0 && seconds <= 10 && repeats >= 1, "seconds=", seconds,
+             " must be in (0, 10] and repeats=", repeats, " >= 1");
+    const KernelTable& k = kernels();
+    const int n = std::max(1, threads > 0 ? threads : default_threads());
+    std::vector<int32_t> sinks(size_t(n) * 16);
+    py::gil_scoped_release release;
+    long long iters = 1 << 10;
+    auto timed = [&](long long it) {
+      std::vector<long long> macs(n);
+      auto t0 = std::chrono::steady_clock::now();
+      parallel_for(n, n, [&](int i) { macs[i] = k.int8_peak(it, &sinks[size_t(i) * 16]); });
+      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      long long total = 0;
+      for (long long m : macs) total += m;
+      return std::make_pair(double(total), dt);
+    };
+    double dt = timed(iters).second;  // calibrate: grow the count until a run is measurable
+    for (; dt < 0.01 && iters < (1LL << 40); dt = timed(iters).second) iters *= 4;
+    iters = std::max(1LL, (long long)(iters * seconds / dt));
+    double best = 0;
+    for (int r = 0; r < repeats; ++r) {
+      auto [macs, dt] = timed(iters);
+      best = std::max(best, macs / dt);
+    }
+    return best;
+  }, py::arg("threads") = 0, py::arg("seconds") = 0.2, py::arg("repeats") = 3);
   m.def("pool_job_counts", [](int n, int threads, int repeats, int raise_at) {
     // How many times each job of `repeats` regions of n jobs ran (the pool's contract: once
     // each); job raise_at (when >= 0) throws in every region, which must reach the caller

@@ -257,3 +257,55 @@ def test_ab_builds_in_process_on_one_core(ckpt, tmp_path, capsys):
             del sys.modules[k]
     out = capsys.readouterr().out
     assert "off: new/old decode geomean x" in out and "chain: new/old decode geomean x" in out
+
+
+def test_int8_peak_measures_every_variant():
+    """_core.int8_peak, the compute roof of bench/engine_table.py: a positive finite rate for
+    every kernel variant here; bad arguments are refused by name."""
+    from sapwood import _core
+    old = _core.isa()
+    try:
+        for isa in _core.available_isas():
+            _core.set_isa(isa)
+            rate = _core.int8_peak(1, 0.01, 1)
+            assert 1e6 < rate < 1e15, (isa, rate)
+    finally:
+        _core.set_isa(old)
+    with pytest.raises(ValueError, match="seconds=0"):
+        _core.int8_peak(1, 0.0, 1)
+    with pytest.raises(ValueError, match="repeats=0"):
+        _core.int8_peak(1, 0.01, 0)
+
+
+def test_engine_table_smoke(tmp_path, capsys):
+    """bench/engine_table.py end to end at a toy shape: every section, every variant given,
+    every block kept in the JSON; llama.cpp said to be not run, never skipped silently."""
+    from sapwood import _core
+    isas = _core.available_isas()[-2:]
+    out = tmp_path / "t.json"
+    bench_script("engine_table").main([
+        "--smoke", "--isa", *isas, "--contexts", "8", "64", "--attention-contexts", "64",
+        "--reps", "2", "--prefill", "32", "--prefill-reps", "1", "--load-reps", "1",
+        "--load-tokens", "2", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["isas"] == isas and [f["weights"] for f in res["formats"]] == ["q8", "q4"]
+    for f in res["formats"]:
+        assert [s["ctx"] for s in f["steps"]] == [8, 64]
+        for s in f["steps"]:
+            assert s["read_GBps"]["n"] == 2
+            for isa in isas:
+                c = s["isa"][isa]
+                assert c["verify1_ms"]["n"] == 2 and c["verify16_of_roof"]["median"] > 0
+                assert c["verify1_over_verify2"]["min"] <= c["verify1_over_verify2"]["max"]
+        assert set(f["prefill_tok_s"]) == set(isas)
+        assert all(f["load"][i]["loaded_tok_s"]["n"] == 2 for i in isas)  # Q L L Q: two loaded
+    assert res["attention"]["64"]["isa"][isas[0]]["rows16_ms"]["n"] == 2
+    assert all(res["int8_peak_GMACps"][i]["max"] > 0 for i in isas)
+    assert res["llama"].startswith("not run")
+    printed = capsys.readouterr().out
+    for label in ("decode step ms @64", "verify(1) / verify(2) @8", "roof / verify(16)",
+                  "16 rows ms @64", "prefill 32 tok/s", "loaded / quiet", "llama.cpp: not run"):
+        assert label in printed, label
+    with pytest.raises(SystemExit):
+        bench_script("engine_table").main(["--smoke", "--isa", "sideways"])
+    assert "--isa sideways: not available here" in capsys.readouterr().err

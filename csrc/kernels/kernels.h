@@ -100,6 +100,9 @@ struct KernelTable {
   // the k best ids other than `skip` (-1: none), best first, an equal value's lower id first;
   // NaNs never enter (out[0..k) must have room: k <= n, or n - 1 with skip in range)
   void (*top_ids)(const float* x, int n, int k, int skip, int* out);
+  // `iters` rounds of this variant's int8 peak microkernel (peak.inc) on the calling thread:
+  // returns the multiply-adds done (benchmarks' compute roof); writes a result to sink[0]
+  long long (*int8_peak)(long long iters, int32_t* sink);
 };
 
 // The variant in use: best supported, or forced by SAPWOOD_ISA=generic|avx2|avx512|amx.
