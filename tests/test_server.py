@@ -452,6 +452,8 @@ BAD = [  # (endpoint, body or raw text, status, param, text the message must sho
      "sapwood.width", "0"),
     ("completions", {"model": "tiny", "prompt": "x", "sapwood": {"drafter": "/etc"}}, 400,
      "sapwood.drafter", "'/etc'"),
+    ("completions", {"model": "tiny", "prompt": "x", "sapwood": {"drafter": "mtp"}}, 400,
+     "sapwood.drafter", "no MTP head"),
     ("completions", {"model": "tiny", "prompt": "x", "sapwood": {"rows": 3}}, 400,
      "sapwood.rows", "rows"),
     ("completions", {"model": "tiny", "prompt": "x", "stream_options": {"usage": 1}}, 400,
@@ -501,6 +503,65 @@ def test_server_survives_bad_requests_and_a_bad_stream(live, ref):
     assert live.health()["status"] == "ok"
     r = live.client.completions.create(model="tiny", prompt="ok", max_tokens=4, temperature=0)
     assert r.choices[0].text == solo(ref, "ok", max_tokens=4).text
+
+
+@pytest.fixture(scope="module")
+def mtp_live():
+    """The bundled target, whose trained MTP head keeps some of its drafts, served as
+    `sapwood serve TARGET --drafter mtp` builds it."""
+    from sapwood.loading import default_target_path
+
+    st = server.build(str(default_target_path()), drafter="mtp", parallel=2,
+                      max_context=CONTEXT, cache_mb=64, model_id="bundled")
+    assert [s.default_drafter for s in st.scheduler.slots] == ["mtp", "mtp"]
+    srv = Live(st)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def mtp_ref():
+    from sapwood.loading import default_target_path
+
+    return sapwood.load(default_target_path(), max_context=CONTEXT)
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree", "auto"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mtp_drafter_equals_plain_decoding(mtp_live, mtp_ref, verify, temperature):
+    """drafter "mtp", by the request's extension field and by the server's default: tokens,
+    text and logprobs of plain decoding, and (chain, tree) some of the head's drafts kept."""
+    p = "def merge(a, b):\n    result = []\n"
+    ids = mtp_ref.encode(p)
+    want = solo(mtp_ref, p, max_tokens=32, temperature=temperature, seed=7)
+    accepted = 0
+    for ext_field in ({"drafter": "mtp"}, {}):
+        body = {"sapwood": {"verify": verify, "return_token_ids": True, **ext_field}}
+        r = mtp_live.client.completions.create(model="bundled", prompt=p, max_tokens=32, logprobs=2,
+                                               temperature=temperature, seed=7, extra_body=body)
+        choice = ext(r)["choices"][0]
+        assert choice["token_ids"] == want.tokens and r.choices[0].text == want.text
+        _check_logprobs(mtp_ref, ids, want.tokens, r.choices[0].logprobs.token_logprobs, None, 2)
+        accepted += choice["stats"]["draft_rows_accepted"]
+    if verify != "auto":  # auto may judge every round better plain
+        assert accepted > 0
+    # the head drafted (its speculation policy state exists), not another drafter
+    assert any(("mtp", id(s.model)) in s.model._policies for s in mtp_live.st.scheduler.slots)
+
+
+def test_serve_drafter_mtp_from_the_command_line(monkeypatch, root):
+    """`sapwood serve DIR --drafter mtp` builds slots that draft with the head; a checkpoint
+    without one fails at start with the reason, not at the first request."""
+    from sapwood.cli import main
+    from sapwood.loading import default_target_path
+
+    built = []
+    monkeypatch.setattr(server, "run", lambda st, **kw: built.append(st))
+    assert main(["serve", str(default_target_path()), "--drafter", "mtp", "--port", "1"]) == 0
+    assert built and built[0].scheduler.slots[0].default_drafter == "mtp"
+    built[0].scheduler.close()
+    with pytest.raises(ValueError, match="drafter='mtp': this checkpoint has no MTP head"):
+        server.build(str(root / "target"), drafter="mtp")
 
 
 def test_cli_serve_without_the_extra_says_how_to_install_it(monkeypatch, capsys):

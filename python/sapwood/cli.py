@@ -120,8 +120,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="default",
                    help="checkpoint directory, or 'default' for the bundled pair (default)")
     p.add_argument("--drafter", default=None,
-                   help="'lookup', 'default', a draft checkpoint directory; default: the "
-                        "model's attached draft, else lookup")
+                   help="'mtp' (the checkpoint's own MTP head), 'lookup', 'default', a draft "
+                        "checkpoint directory; default: the model's attached draft, else the "
+                        "MTP head when the checkpoint has one, else lookup")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--parallel", type=int, default=1,

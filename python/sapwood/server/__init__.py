@@ -44,8 +44,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
           loader=None) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
-    drafter: None (the model's attached draft, else prompt lookup), "lookup", "default" or a
-    draft checkpoint directory. loader(i) -> Model replaces sapwood.load for slot i (tests).
+    drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
+    else prompt lookup), "mtp", "lookup", "default" or a draft checkpoint directory. loader(i) -> Model replaces sapwood.load for slot i (tests).
     """
     import sapwood
 
@@ -69,9 +69,14 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
         if not m.chat_template:
             m.chat_template = FALLBACK_CHAT_TEMPLATE
         draft = m.draft
-        if drafter not in (None, "lookup"):
+        if drafter == "mtp":
+            m.resolve_drafter("mtp")  # a checkpoint without a head fails here, at start
+        elif drafter not in (None, "lookup"):
             draft = m.resolve_drafter(drafter).model  # loads the draft checkpoint for this slot
-        default = "lookup" if drafter == "lookup" or draft is None else "model"
+        if drafter in ("lookup", "mtp"):
+            default = drafter
+        else:  # as Model.resolve_drafter(None): the draft model, else the MTP head, else lookup
+            default = "model" if draft is not None else "mtp" if m.mtp is not None else "lookup"
         return Slot(i, m, draft, default, cache, on_done)
 
     done = []

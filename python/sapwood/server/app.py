@@ -375,6 +375,9 @@ def _admit(st: ServerState, raw: bytes, chat: bool) -> _Call:
     if req.sapwood.drafter == "model" and st.scheduler.slots[0].draft_model is None:
         raise ApiError(400, "sapwood.drafter='model': this server has no draft model (start it "
                             "with --drafter)", "sapwood.drafter")
+    if req.sapwood.drafter == "mtp" and st.scheduler.slots[0].model.mtp is None:
+        why = st.scheduler.slots[0].model.mtp_unsupported or "this server's model has no MTP head"
+        raise ApiError(400, f"sapwood.drafter='mtp': {why}", "sapwood.drafter")
     call = _Call(st, chat, req, prompts, limit, logprobs)
     try:
         st.scheduler.submit(call.jobs)

@@ -67,7 +67,7 @@ class SapwoodOptions(_Strict):
     (every verify mode, width and drafter gives the same tokens)."""
     verify: Literal["off", "chain", "tree", "auto"] = "auto"
     width: Optional[StrictInt] = Field(None, ge=1, le=64)
-    drafter: Optional[Literal["lookup", "model"]] = None
+    drafter: Optional[Literal["lookup", "model", "mtp"]] = None
     return_token_ids: StrictBool = False
 
 

@@ -44,7 +44,7 @@ class Job:
     params: SamplingParams
     verify: str
     width: int | None
-    drafter: str | None          # "lookup", "model", or None: the server's default
+    drafter: str | None          # "lookup", "model", "mtp", or None: the server's default
     stops: list
     logprobs: int | None         # None: no logprobs; k >= 0: the token's and the top k
     emit: object
@@ -200,7 +200,7 @@ class Slot:
     def __init__(self, index: int, model, draft_model, default_drafter: str, cache: SnapshotCache,
                  on_done):
         self.index, self.model, self.draft_model = index, model, draft_model
-        self.default_drafter = default_drafter  # "model" or "lookup"
+        self.default_drafter = default_drafter  # "model", "mtp" or "lookup"
         self.cache, self._on_done = cache, on_done
         self._jobs: queues.Queue = queues.Queue(maxsize=1)
         self.job: Job | None = None
@@ -238,7 +238,7 @@ class Slot:
             d = self.model.resolve_drafter(self.draft_model)
             d.reset()  # a fresh request: the draft's state is restored or prefilled anew
             return d
-        return self.model.resolve_drafter("lookup")
+        return self.model.resolve_drafter(kind)  # "mtp" (its head starts afresh) or "lookup"
 
     def _prefill(self, job, ids, drafter, rec, info):
         eng = self.model.engine
