@@ -54,7 +54,8 @@ class Backend {
   virtual void download(Act src, size_t n, float* dst) = 0;
 
   // ---- stateless ops (rows-major fp32; out may alias an input where noted) ----
-  // x[i] = row tokens[i] of the embedding table, as the matmul sees it
+  // x[i] = row tokens[i] of the embedding table, as the matmul sees it. Every forward starts
+  // with it: a backend may plan what all layers of the forward share (the tree) from there.
   virtual void embed(const QMatrix& table, const int* tokens, int n, Act x) = 0;
   // n rows of dim: (x * rsqrt(mean(x^2) + eps)) * w; out may alias x
   virtual void rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) = 0;

@@ -111,6 +111,7 @@ void bind_engine(py::module_& m);
 void bind_tree_growth(py::module_& m);
 void bind_gpu(py::module_& m);  // bindings_gpu.cpp
 void bind_mtp(py::module_& m);  // bindings_mtp.cpp
+void bind_backend_ops(py::module_& m);  // bindings_ops.cpp
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "sapwood C++ runtime: paged int8 KV, tree attention, pathwise GDN";
@@ -414,4 +415,5 @@ PYBIND11_MODULE(_core, m) {
   bind_tree_growth(m);
   bind_gpu(m);
   bind_mtp(m);
+  bind_backend_ops(m);
 }

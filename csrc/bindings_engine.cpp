@@ -11,45 +11,6 @@
 namespace py = pybind11;
 using namespace sapwood;
 
-namespace {
-
-template <class T>
-T need(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw InputError(cat("dims is missing '", key, "'"));
-  try {
-    return d[key].cast<T>();
-  } catch (const py::cast_error&) {
-    throw InputError(cat("dims['", key, "'] has the wrong type"));
-  }
-}
-
-ModelDims parse_dims(const py::dict& d) {
-  ModelDims m;
-  m.vocab = need<int>(d, "vocab_size");
-  m.hidden = need<int>(d, "hidden_size");
-  m.inter = need<int>(d, "intermediate_size");
-  m.is_attn = need<std::vector<bool>>(d, "layer_is_attention");
-  m.n_heads = need<int>(d, "num_heads");
-  m.n_kv_heads = need<int>(d, "num_kv_heads");
-  m.head_dim = need<int>(d, "head_dim");
-  m.rotary_dim = need<int>(d, "rotary_dim");
-  m.rope_theta = need<float>(d, "rope_theta");
-  m.eps = need<float>(d, "rms_norm_eps");
-  m.tied = need<bool>(d, "tie_word_embeddings");
-  m.hk = need<int>(d, "hk");
-  m.dk = need<int>(d, "dk");
-  m.hv = need<int>(d, "hv");
-  m.dv = need<int>(d, "dv");
-  m.conv_k = need<int>(d, "conv_kernel");
-  const std::string order = need<std::string>(d, "head_order");
-  SW_CHECK(order == "grouped" || order == "tiled", "head_order must be 'grouped' or 'tiled', got '",
-           order, "'");
-  m.tiled = order == "tiled";
-  return m;
-}
-
-}  // namespace
-
 void bind_engine(py::module_& m) {
   m.def("available_backends", &available_backends,
         "The backends this build has: 'cpu', then 'metal', 'metal-emulated', 'sycl', "

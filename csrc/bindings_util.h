@@ -2,6 +2,7 @@
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cmath>
 #include <cstring>
@@ -103,6 +104,42 @@ inline KVDtype parse_kv_dtype(const std::string& s) {
   if (s == "int8") return KVDtype::Int8;
   if (s == "f32") return KVDtype::F32;
   throw InputError(cat("KV dtype must be 'int8' or 'f32', got '", s, "'"));
+}
+
+template <class T>
+inline T need(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw InputError(cat("dims is missing '", key, "'"));
+  try {
+    return d[key].cast<T>();
+  } catch (const py::cast_error&) {
+    throw InputError(cat("dims['", key, "'] has the wrong type"));
+  }
+}
+
+// The `dims` dict of loading.engine_dims -> ModelDims, each key checked.
+inline ModelDims parse_dims(const py::dict& d) {
+  ModelDims m;
+  m.vocab = need<int>(d, "vocab_size");
+  m.hidden = need<int>(d, "hidden_size");
+  m.inter = need<int>(d, "intermediate_size");
+  m.is_attn = need<std::vector<bool>>(d, "layer_is_attention");
+  m.n_heads = need<int>(d, "num_heads");
+  m.n_kv_heads = need<int>(d, "num_kv_heads");
+  m.head_dim = need<int>(d, "head_dim");
+  m.rotary_dim = need<int>(d, "rotary_dim");
+  m.rope_theta = need<float>(d, "rope_theta");
+  m.eps = need<float>(d, "rms_norm_eps");
+  m.tied = need<bool>(d, "tie_word_embeddings");
+  m.hk = need<int>(d, "hk");
+  m.dk = need<int>(d, "dk");
+  m.hv = need<int>(d, "hv");
+  m.dv = need<int>(d, "dv");
+  m.conv_k = need<int>(d, "conv_kernel");
+  const std::string order = need<std::string>(d, "head_order");
+  SW_CHECK(order == "grouped" || order == "tiled", "head_order must be 'grouped' or 'tiled', got '",
+           order, "'");
+  m.tiled = order == "tiled";
+  return m;
 }
 
 }  // namespace sapwood

@@ -20,6 +20,7 @@ from sapwood.reference import ops, quant
 from sapwood.reference.gdn import silu
 from sapwood.reference.model import rms_norm, rope, sigmoid
 from sapwood.reference.ranking import logsumexp
+from util import logit_rows
 
 U = 2.0 ** -24  # float32 unit roundoff
 
@@ -235,20 +236,6 @@ def test_int8_matmul_is_the_cpus(dev, rng, fmt, rows):
 
 
 # ---------------------------------------------------------------- drafting over logits
-
-def logit_rows(rng, cols):
-    x = rng.integers(-4, 5, (8, cols)).astype(np.float32)  # few values: many ties
-    x[1, rng.integers(0, cols, max(1, cols // 5))] = np.nan
-    x[2] = np.nan
-    x[3] = -np.inf
-    x[3, cols // 2:] = np.nan
-    x[4, 0], x[4, -1] = np.nan, -np.inf
-    x[4, 1:-1] = np.nan
-    x[5, :] = 0.0
-    x[5, 0] = -0.0
-    x[6, -1] = 9.0  # the best at the last column
-    return x
-
 
 @pytest.mark.parametrize("cols", [7, 300, 4096])
 def test_argmax_rows(dev, rng, cols):

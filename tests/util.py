@@ -49,6 +49,21 @@ def path_to(parents, i):
     return out[::-1]
 
 
+def logit_rows(rng, cols):
+    """Rows of logits for the drafting selections: ties, NaNs, -inf, signed zeros."""
+    x = rng.integers(-4, 5, (8, cols)).astype(np.float32)  # few values: many ties
+    x[1, rng.integers(0, cols, max(1, cols // 5))] = np.nan
+    x[2] = np.nan
+    x[3] = -np.inf
+    x[3, cols // 2:] = np.nan
+    x[4, 0], x[4, -1] = np.nan, -np.inf
+    x[4, 1:-1] = np.nan
+    x[5, :] = 0.0
+    x[5, 0] = -0.0
+    x[6, -1] = 9.0  # the best at the last column
+    return x
+
+
 @contextlib.contextmanager
 def isa(name):
     old = _core.isa()
