@@ -65,6 +65,10 @@ def pad_weights(weights: dict, config: dict, intermediate: int, layers: int) -> 
             for name in (_OUTPUT_PROJ[types[j]], "mlp.down_proj.weight"):
                 layer[dp + name] = np.zeros_like(layer[dp + name])
         out.update(layer)
+    # an MTP head's layers have the target's MLP shape (intermediate_size): widened the same way
+    for p in sorted({k[:-len("mlp.gate_proj.weight")] for k in out
+                     if k.startswith("mtp.layers.") and k.endswith("mlp.gate_proj.weight")}):
+        mlp(out, p)
     cfg = dict(config, intermediate_size=intermediate, num_hidden_layers=layers, layer_types=types)
     return out, cfg
 

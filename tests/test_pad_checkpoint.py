@@ -59,3 +59,20 @@ def test_padding_never_shrinks(pair, tmp_path):
         pad.pad_checkpoint(src, tmp_path / "x", intermediate=64, layers=9)
     with pytest.raises(ValueError, match="layers"):
         pad.pad_checkpoint(src, tmp_path / "x", intermediate=200, layers=2)
+
+
+def test_mtp_head_is_widened_with_the_target(tmp_path):
+    """An MTP head's MLP has the target's intermediate size: the padded checkpoint loads, and the
+    head drafts as before (the same rows kept by the same chain rounds)."""
+    make_tiny_checkpoint(tmp_path / "src", seed=5, layers=4, dtype="bfloat16", mtp=True)
+    pad.pad_checkpoint(tmp_path / "src", tmp_path / "dst", intermediate=200, layers=6)
+    w = sapwood.safetensors_io.load_checkpoint_weights(tmp_path / "dst")
+    assert w["mtp.layers.0.mlp.gate_proj.weight"].shape[0] == 200
+    assert not w["mtp.layers.0.mlp.down_proj.weight"][:, 128:].any()
+    a = sapwood.load(tmp_path / "src", max_context=256, policy_cache=False)
+    b = sapwood.load(tmp_path / "dst", max_context=256, policy_cache=False)
+    ids = list(np.random.default_rng(1).integers(1, 250, 30))
+    ra, rb = (m.generate(ids, max_tokens=24, verify="chain", drafter="mtp", adapt_rows=False)
+              for m in (a, b))
+    assert ra.tokens == rb.tokens
+    assert ra.stats.draft_rows_accepted == rb.stats.draft_rows_accepted
