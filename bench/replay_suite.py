@@ -2,7 +2,7 @@
 through the real decoder on a virtual clock (bench/replay_width.py with `--python-ms`: no real
 time, so two runs of one build print the same digits), one summary line each.
 
-    python bench/replay_suite.py [--quiet] [--only NAME] [--old REV]
+    python bench/replay_suite.py [--quiet] [--only NAME] [--old REV] [--table] [--seeds N]
 
 Recordings from two hosts: bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2 only; stops 29-31)
 and bench/results/zen4_vnni/ (a 2-core Zen 4 with AVX-512 VNNI, engine on one thread; issue 39).
@@ -18,6 +18,7 @@ this install's compiled core), for side-by-side figures.
 import argparse
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -29,9 +30,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import replay_width  # noqa: E402
 from sapwood.benchmarks.common import geomean  # noqa: E402
+from sapwood.policy import _median  # noqa: E402
 
 Z3 = os.path.join(HERE, "results", "zen3_avx2")
 Z4 = os.path.join(HERE, "results", "zen4_vnni")
+XA = os.path.join(HERE, "results", "xeon_amx")
 PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
 UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
 # name, recordings, replay options (python_ms: the policy's Python a round on that target)
@@ -53,14 +56,25 @@ SUITE = [
      dict(UNPADDED, max_tokens=64)),
     ("vnni bundled cohort", [os.path.join(Z4, "replay_cohort_unpadded.json")],
      dict(UNPADDED, shared=True)),
+    ("amx padded depths", [os.path.join(XA, "padded", f) for f in (
+        "replay_depths.json", "replay_depth32k.json")], PADDED),
+    ("amx padded cohort", [os.path.join(XA, "padded", "replay_cohort.json")],
+     dict(PADDED, shared=True)),
+    ("amx bundled depths", [os.path.join(XA, f) for f in (
+        "replay_depths_unpadded.json", "replay_depth32k_unpadded.json")],
+     dict(UNPADDED, max_tokens=64)),
+    ("amx bundled cohort", [os.path.join(XA, "replay_cohort_unpadded.json")],
+     dict(UNPADDED, shared=True)),
 ]
 
 
-def run(name, recs, opts, quiet=True) -> str:
+def run(name, recs, opts, quiet=True, table=None, seed=0) -> str:
+    """The summary line of one suite entry; `table`: a list that gets its markdown rows (per
+    depth context, or the cohort's geometric means); seed: the policy's exploration draws."""
     ratios, cohort = {}, []
     for rec in recs:
         a = SimpleNamespace(rec=rec, requests=4, max_tokens=64, widths="", python_ms=None,
-                            one_rule=False, shared=False, trace=None, noise=None)
+                            one_rule=False, shared=False, trace=None, noise=None, seed=seed)
         for k, v in opts.items():
             setattr(a, k, v)
         out = io.StringIO()
@@ -70,6 +84,20 @@ def run(name, recs, opts, quiet=True) -> str:
             print(out.getvalue(), end="")
         if "cohort" in r:
             cohort.append((r.pop("cohort"), r.pop("cohort_first")))
+        if table is not None and opts.get("shared"):
+            table.append(f"| {name} | geomean of {len(r['later'])} prompts | "
+                         f"{cohort[-1][0]:.3f} | {cohort[-1][1]:.3f} | "
+                         f"{geomean(r['persisted']):.3f} |")
+        elif table is not None:
+            with open(rec) as f:
+                names = [c["name"] for c in json.load(f)["contexts"]]
+            rows = list(zip(names, r["later"], r["first"], r["persisted"]))
+            table.extend(f"| {name} | {n} | {w:.3f} | {c:.3f} | {p:.3f} |"
+                         for n, w, c, p in rows if n.startswith("depth"))
+            rest = [x[1:] for x in rows if not x[0].startswith("depth")]
+            if rest:  # prompts, each against its own best arm
+                table.append(f"| {name} | {len(rest)} prompts, each / its best (geomean) | " +
+                             " | ".join(f"{geomean(v):.3f}" for v in zip(*rest)) + " |")
         for k, v in r.items():
             ratios.setdefault(k, []).extend(v)
     def gw(k):
@@ -107,16 +135,44 @@ def main():
     ap.add_argument("--quiet", action="store_true", help="the summary lines only")
     ap.add_argument("--only", default=None, help="the lines whose name contains this")
     ap.add_argument("--old", default=None, help="replay the policy of this git revision instead")
+    ap.add_argument("--table", action="store_true",
+                    help="then a markdown table: auto / best per depth, and per cohort")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="replay each entry with exploration seeds 0..N-1; the table gives "
+                         "median [min, max]: a replay is deterministic per seed, not stable "
+                         "across seeds (one timing of another size changes what follows)")
     a = ap.parse_args()
     if a.old:
         env = dict(os.environ, PYTHONPATH=old_package(a.old))
         args = [sys.executable, __file__] + (["--quiet"] if a.quiet else []) + (
-            ["--only", a.only] if a.only else [])
+            ["--only", a.only] if a.only else []) + (["--table"] if a.table else []) + (
+            ["--seeds", str(a.seeds)])
         sys.exit(subprocess.run(args, env=env).returncode)
+    table = []
     for name, recs, opts in SUITE:
         if a.only is None or a.only in name:
             if all(os.path.exists(r) for r in recs):
-                print(run(name, recs, opts, quiet=a.quiet), flush=True)
+                rows = []
+                for seed in range(a.seeds):
+                    rows.append([])
+                    line = run(name, recs, opts, quiet=a.quiet, table=rows[-1], seed=seed)
+                    print(line if a.seeds == 1 else f"seed {seed}: {line}", flush=True)
+                table += [merge_rows(r) for r in zip(*rows)]
+    if a.table:
+        print("\n| recordings | context | warm | first (cold / cold) | reloaded / warm |\n"
+              "|---|---|---|---|---|")
+        print("\n".join(table))
+
+
+def merge_rows(rows) -> str:
+    """One table row from one row per seed: each figure as its median [min, max]."""
+    cells = [r.strip("|").split("|") for r in rows]
+    out = cells[0][:2]
+    for j in range(2, len(cells[0])):
+        v = sorted(float(c[j]) for c in cells)
+        out.append(f" {v[0]:.3f} " if len(v) == 1 else
+                   f" {_median(v):.3f} [{v[0]:.3f}, {v[-1]:.3f}] ")
+    return "|" + "|".join(out) + "|"
 
 
 if __name__ == "__main__":

@@ -182,11 +182,12 @@ class ReplayDrafter:
 OLD = hasattr(G, "WidthRule")  # the package on the path is the policy before issue 39
 
 
-def new_state(saved=None):
-    """A fresh policy state for one arm (or one loaded from `saved`, a JSON text of state())."""
+def new_state(saved=None, seed=0):
+    """A fresh policy state for one arm (or one loaded from `saved`, a JSON text of state());
+    seed: its exploration draws'."""
     if OLD:
         return G.WidthRule()
-    pol = G.Policy()
+    pol = G.Policy(seed=seed)
     if saved is not None:
         pol.load_state(json.loads(saved))
     return pol
@@ -250,7 +251,7 @@ def replay(a):
             for c in contexts:
                 for arm in arms:
                     key = (None if a.shared else c["name"], None if a.one_rule else arm)
-                    rule = rules.setdefault(key, new_state())
+                    rule = rules.setdefault(key, new_state(seed=a.seed))
                     tps[c["name"], arm].append(run(
                         c, i, arm, rule, trace=a.trace and arm in ("auto", "chain", a.trace)))
         # a second process's first request: auto's state saved after those requests, reloaded
@@ -261,7 +262,8 @@ def replay(a):
             if key not in saved:
                 saved[key] = saved_state(rules[key])
             if saved[key] is not None:
-                persisted[c["name"]] = run(c, a.requests, "auto", new_state(saved[key]))
+                persisted[c["name"]] = run(c, a.requests, "auto",
+                                           new_state(saved[key], seed=a.seed))
     finally:
         if OLD:
             G.time = time
@@ -325,6 +327,8 @@ def main():
     p.add_argument("--noise", default=None,
                    help="verify costs scattered by the time / median ratios in this file "
                         "(bench/verify_noise.py)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the policy's exploration draws (a replay is deterministic per seed)")
     p.add_argument("--one-rule", action="store_true",
                    help="the arms share their policy state too")
     p.add_argument("--shared", action="store_true",

@@ -206,7 +206,7 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
     def replayed(noise_file):
         return rw.replay(SimpleNamespace(rec=str(rec), requests=2, max_tokens=6, widths="1-2",
                                          python_ms=0.2, one_rule=False, shared=False, trace=None,
-                                         noise=noise_file))
+                                         noise=noise_file, seed=0))
     noisy = [replayed(str(noise)) for _ in range(2)]
     assert noisy[0] == noisy[1]
     # and the scatter reaches the costs: the medians alone replay differently
@@ -217,6 +217,16 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
              for _ in range(2)]
     assert lines[0] == lines[1] and "auto / best other arm, warm x" in lines[0]
     assert "over 3 contexts" in lines[0]
+    # its table: a row per depth context (the prompt apart), each figure per seed merged into
+    # median [min, max]
+    rows = [[], []]
+    for seed in (0, 1):
+        suite.run("tiny", [str(rec)], dict(requests=2, widths="1-2", python_ms=0.2),
+                  table=rows[seed], seed=seed)
+    assert [r.split("|")[2].strip() for r in rows[0]][:1] == ["depth 8"] and len(rows[0]) == 2
+    merged = suite.merge_rows([rows[0][0], rows[1][0]])
+    warm = sorted(float(r.split("|")[3]) for r in (rows[0][0], rows[1][0]))
+    assert f"[{warm[0]:.3f}, {warm[1]:.3f}]" in merged.split("|")[3]
 
 
 def test_first_request_command_pairs_a_fresh_rule_with_a_fixed_width(ckpt, tmp_path, capsys):
