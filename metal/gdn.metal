@@ -137,6 +137,7 @@ kernel void gdn_recur(device const float* state     [[buffer(0)]],   // [hv, dk,
     const int par = parents[i];
     if (i > 0 && par != i - 1 && live)  // registers hold node i-1 (or the root for i == 0)
       for (int r = 0; r < dk; ++r) s[r] = node_state[((par * p.hv + h) * dk + r) * dv + j];
+    const int slot = p.last_state_only ? 0 : i;
     if (j < dk) {
       kq[j] = k[(i * p.hk + kh) * dk + j];
       kq[dk + j] = q[(i * p.hk + kh) * dk + j];
@@ -145,7 +146,8 @@ kernel void gdn_recur(device const float* state     [[buffer(0)]],   // [hv, dk,
     if (live) {
       out[(i * p.hv + h) * dv + j] =
           gdn_step(s, kq, kq + dk, true, v[(i * p.hv + h) * dv + j], g[i * p.hv + h], beta[i * p.hv + h], dk);
-      for (int r = 0; r < dk; ++r) node_state[((i * p.hv + h) * dk + r) * dv + j] = s[r];
+      if (!p.last_state_only || i == p.n_nodes - 1)
+        for (int r = 0; r < dk; ++r) node_state[((slot * p.hv + h) * dk + r) * dv + j] = s[r];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }

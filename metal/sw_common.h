@@ -50,6 +50,9 @@ struct SwGDNParams {
   int n_pending;     // committed-but-unfolded tokens on the tape
   int path_len, n_fold, select_leaf;  // commit only
   float q_scale;     // 1/sqrt(dk)
+  // recur: the nodes are a chain committed as they go (a prefill chunk): keep only the last
+  // node's state, in slot 0, instead of every node's (no node's state is read back)
+  int last_state_only;
 };
 
 // q8_quantize_rows / q8_matmul / q4_matmul (q8_matmul.metal), matmul_f32 / matmul_bf16

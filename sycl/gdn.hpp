@@ -92,6 +92,7 @@ void gdn_recur(const It& it, const GDNArgs& a, float* kq) {
     const int par = a.parents[i];
     if (i > 0 && par != i - 1 && live)  // registers hold node i-1 (or the root for i == 0)
       for (int r = 0; r < dk; ++r) s[r] = a.node_state[((par * a.hv + h) * dk + r) * dv + j];
+    const int slot = a.last_state_only ? 0 : i;
     if (j < dk) {
       kq[j] = a.k[(i * a.hk + kh) * dk + j];
       kq[dk + j] = a.q[(i * a.hk + kh) * dk + j];
@@ -100,7 +101,8 @@ void gdn_recur(const It& it, const GDNArgs& a, float* kq) {
     if (live) {
       a.out[(i * a.hv + h) * dv + j] = gdn_step(s, kq, kq + dk, true, a.v[(i * a.hv + h) * dv + j],
                                                 a.g[i * a.hv + h], a.beta[i * a.hv + h], dk);
-      for (int r = 0; r < dk; ++r) a.node_state[((i * a.hv + h) * dk + r) * dv + j] = s[r];
+      if (!a.last_state_only || i == a.n_nodes - 1)
+        for (int r = 0; r < dk; ++r) a.node_state[((slot * a.hv + h) * dk + r) * dv + j] = s[r];
     }
     barrier(it);
   }

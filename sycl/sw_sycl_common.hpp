@@ -106,6 +106,7 @@ struct GDNArgs {
   float *new_k, *new_v, *new_g, *new_b, *new_window;
   int n_nodes, hk, hv, dk, dv, conv_k, grouped, n_pending, path_len, n_fold, select_leaf;
   float q_scale;
+  int last_state_only;  // recur: a chain keeps only its last node's state, in slot 0
 };
 
 struct Q8Args {

@@ -110,7 +110,7 @@ inline GDNArgs gdn_args(const SwGDNParams& p) {
   GDNArgs a{};
   a.n_nodes = p.n_nodes, a.hk = p.hk, a.hv = p.hv, a.dk = p.dk, a.dv = p.dv, a.conv_k = p.conv_k;
   a.grouped = p.grouped, a.n_pending = p.n_pending, a.path_len = p.path_len, a.n_fold = p.n_fold;
-  a.select_leaf = p.select_leaf, a.q_scale = p.q_scale;
+  a.select_leaf = p.select_leaf, a.q_scale = p.q_scale, a.last_state_only = p.last_state_only;
   return a;
 }
 

@@ -191,7 +191,7 @@ def test_gdn_through_device_bitwise(dev, ctypes_metal):
     layer.commit(path)
 
     q_scale = float(np.float32(1) / np.sqrt(np.float32(dk)))
-    prm = gu.pack(n, hk, hv, dk, dv, kk, 1, 0, 0, 0, 0, q_scale)
+    prm = gu.pack(n, hk, hv, dk, dv, kk, 1, 0, 0, 0, 0, q_scale, 0)
     q, k = np.zeros((n, hk, dk), np.float32), np.zeros((n, hk, dk), np.float32)
     vv, out = np.zeros((n, hv, dv), np.float32), np.zeros((n, hv, dv), np.float32)
     node_state = np.zeros((n, hv, dk, dv), np.float32)
@@ -205,7 +205,7 @@ def test_gdn_through_device_bitwise(dev, ctypes_metal):
     assert (out == want).all()
 
     n_fold = len(path) - 2  # two tokens stay pending (max_pending=2)
-    cprm = gu.pack(0, hk, hv, dk, dv, kk, 1, 0, len(path), n_fold, 0, 0.0)
+    cprm = gu.pack(0, hk, hv, dk, dv, kk, 1, 0, len(path), n_fold, 0, 0.0, 0)
     new_tape = [np.zeros((2,) + t.shape[1:], np.float32) for t in tape]
     state = state0.copy()
     gu.run(dev, "gdn_commit", [state, *tape, k, vv, g, beta, np.asarray(path, np.int32), node_state, *new_tape, cprm],
@@ -215,6 +215,41 @@ def test_gdn_through_device_bitwise(dev, ctypes_metal):
     assert (state == layer.state).all() and (new_window == layer.window).all()
     for mine, theirs in zip(new_tape, layer.tape):
         assert (mine == theirs).all()
+
+
+def test_gdn_recur_of_a_prefill_chunk_keeps_only_its_last_state(dev):
+    """last_state_only (a prefill chunk, committed as it goes): the same outputs bitwise, the
+    chain's last state in slot 0 equal to the per-node run's last one, no other slot written,
+    so the backend sizes that buffer for one state instead of rows x Hv x dk x dv floats."""
+    hk, hv, dk, dv, kk, n = 2, 6, 16, 32, 4, 11
+    c = 2 * hk * dk + hv * dv
+    rng = np.random.default_rng(8)
+    conv_w = (rng.standard_normal((c, kk)) * 0.5).astype(np.float32)
+    state0 = (rng.standard_normal((hv, dk, dv)) * 0.1).astype(np.float32)
+    window0 = rng.standard_normal((kk - 1, c)).astype(np.float32)
+    x = rng.standard_normal((n, c)).astype(np.float32)
+    g = -rng.uniform(0.01, 1.0, (n, hv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, (n, hv)).astype(np.float32)
+    par = (np.arange(n) - 1).astype(np.int32)
+    q_scale = float(np.float32(1) / np.sqrt(np.float32(dk)))
+    tape = [np.zeros((1, hk, dk), np.float32), np.zeros((1, hv, dv), np.float32),
+            np.zeros((1, hv), np.float32), np.zeros((1, hv), np.float32)]
+    threads = 32 * -(-max(dk, dv) // 32)
+    runs = []
+    for last_only in (0, 1):
+        prm = gu.pack(n, hk, hv, dk, dv, kk, 1, 0, 0, 0, 0, q_scale, last_only)
+        q, k = np.zeros((n, hk, dk), np.float32), np.zeros((n, hk, dk), np.float32)
+        vv, out = np.zeros((n, hv, dv), np.float32), np.zeros((n, hv, dv), np.float32)
+        node_state = np.full((n, hv, dk, dv), np.nan, np.float32)
+        gu.run(dev, "gdn_conv", [x, par, window0, np.ascontiguousarray(conv_w.T), q, k, vv, prm],
+               (n, 2 * hk + hv), 32)
+        gu.run(dev, "gdn_recur", [state0, *tape, q, k, vv, g, beta, par, out, node_state, prm], hv, threads,
+               [4 * 2 * dk])
+        runs.append((out, node_state))
+    (out_all, states), (out_last, kept) = runs
+    assert (out_last == out_all).all()
+    assert (kept[0] == states[n - 1]).all()
+    assert np.isnan(kept[1:]).all(), "a slot past the first was written"
 
 
 @pytest.mark.parametrize("rows", [1, 16])

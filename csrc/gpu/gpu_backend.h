@@ -6,7 +6,8 @@
 // State, all resident in device buffers: per attention layer int8 K/V pages
 // [pages][Hkv][page_size][D] with fp32 scales per 32 dims, and this forward's fp32 K/V rows (the
 // commit's tape); per GDN layer the state S [hv][dk][dv], the conv window [K-1][C], the rows'
-// pre-conv inputs and every node's state (commit selects the leaf's, so nothing stays pending).
+// pre-conv inputs and every tree node's state (commit selects the leaf's, so nothing stays
+// pending; a prefill chunk keeps only its last state).
 #pragma once
 #include <map>
 #include <memory>
@@ -95,7 +96,9 @@ class GpuBackend final : public Backend {
                    bool paged);
   // this forward's parents, identity, ancestor table and row lengths, once a forward
   void plan(const BatchLayout& lay);
-  void gdn_commit_path(GDNState& g, const gpu::Buffer& path, int path_len);
+  // S = the leaf's state, the conv window moved along `path` (the identity path of a prefill
+  // chunk, whose recur kept only its last state in slot 0: last_in_slot0)
+  void gdn_commit_path(GDNState& g, const gpu::Buffer& path, int path_len, bool last_in_slot0);
   size_t page_floats() const;  // K (or V) values of one page of one layer
 
   std::unique_ptr<gpu::Device> dev_;

@@ -125,23 +125,30 @@ void GpuBackend::gdn(int gi, Act qkv, Act decay, Act beta, const BatchLayout& la
   gather(*static_cast<const gpu::Buffer*>(qkv.buf), ident_, n, C, g.x);
   ensure(&gq_, sizeof(float) * n * hk * dk), ensure(&gk_, sizeof(float) * n * hk * dk);
   ensure(&gv_, sizeof(float) * n * hv * dv);
-  ensure(&g.node_state, sizeof(float) * n * hv * dk * dv);
+  // a tree keeps every node's state (commit selects the leaf's); a prefill chunk, committed as
+  // it goes, only its last one: its rows x Hv x dk x dv floats would dwarf the model's state
+  const int slots = lay.prefill ? 1 : n;
+  ensure(&g.node_state, sizeof(float) * slots * hv * dk * dv);
   const SwGDNParams p{n, hk, hv, dk, dv, d_.conv_k, d_.tiled ? 0 : 1, 0, 0, 0, 0,
-                      1.0f / std::sqrt(float(dk))};
+                      1.0f / std::sqrt(float(dk)), lay.prefill ? 1 : 0};
   run("gdn_conv", {buf(g.x), buf(parents_), buf(g.window), buf(g.conv_w), buf(gq_), buf(gk_), buf(gv_), val(p)},
       grid(n, 2 * hk + hv, 32));
   run("gdn_recur",
       {buf(g.S), buf(empty_), buf(empty_), buf(empty_), buf(empty_), buf(gq_), buf(gk_), buf(gv_), arg(decay),
        arg(beta), buf(parents_), arg(out), buf(g.node_state), val(p)},
       grid(hv, 1, round32(std::max(dk, dv)), {sizeof(float) * 2 * dk}));
-  if (lay.prefill) gdn_commit_path(g, ident_, n);  // the chain is committed: S = its last node's
+  if (lay.prefill) gdn_commit_path(g, ident_, n, true);  // the chain is committed: S = its last node's
 }
 
-void GpuBackend::gdn_commit_path(GDNState& g, const gpu::Buffer& path, int path_len) {
+void GpuBackend::gdn_commit_path(GDNState& g, const gpu::Buffer& path, int path_len, bool last_in_slot0) {
   const int hk = d_.hk, hv = d_.hv, dk = d_.dk, dv = d_.dv, C = d_.conv_dim();
   const SwGDNParams p{0, hk, hv, dk, dv, d_.conv_k, d_.tiled ? 0 : 1, 0, path_len, 0, 1, 0.0f};
+  // the leaf's state is node_state[path[len - 1]]; a chunk that kept only its last state has
+  // it in slot 0, which the identity path names as path[0]
+  SwGDNParams select = p;
+  select.path_len = last_in_slot0 ? 1 : path_len;
   const gpu::Arg e = buf(empty_);
-  run("gdn_commit", {buf(g.S), e, e, e, e, e, e, e, e, buf(path), buf(g.node_state), e, e, e, e, val(p)},
+  run("gdn_commit", {buf(g.S), e, e, e, e, e, e, e, e, buf(path), buf(g.node_state), e, e, e, e, val(select)},
       grid(hv, 1, round32(std::max(dk, dv)), {sizeof(float) * dk}));
   run("gdn_window", {buf(g.window), buf(g.x), buf(path), buf(g.window_next), val(p)},
       grid((C + SW_GDN_THREADS_W - 1) / SW_GDN_THREADS_W, 1, SW_GDN_THREADS_W));
@@ -158,7 +165,7 @@ void GpuBackend::commit(int P, const std::vector<int>& path) {
     gather(L.tv, path_, m, row, tmp_);
     quantize_kv(tmp_, m, P, L.v, L.vs, true);
   }
-  for (GDNState& g : gdn_) gdn_commit_path(g, path_, m);
+  for (GDNState& g : gdn_) gdn_commit_path(g, path_, m, false);
   length_ = P + m;
   sync();
 }
