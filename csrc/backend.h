@@ -112,6 +112,14 @@ class Backend {
   virtual size_t kv_bytes() const = 0;
   virtual size_t kv_bytes_used() const = 0;
   virtual size_t gdn_state_bytes() const = 0;
+
+  // Weights kept alive by the caller that forwards over this backend read beside the model's
+  // (the MTP head: its fc halves and input norms, the target's embedding table and LM head). A
+  // device backend copies them into its own buffers; the CPU reads them where they lie.
+  virtual void add_weights(const std::vector<const QMatrix*>& mats,
+                           const std::vector<const std::vector<float>*>& vecs) {
+    (void)mats, (void)vecs;
+  }
 };
 
 // The backends this build has: "cpu" always, then "metal", "metal-emulated", "sycl",

@@ -49,6 +49,9 @@ MtpHead::MtpHead(const Engine& target, const TensorMap& t, WFormat wfmt, KVDtype
   pre_h_ = load_norm(t, "mtp.pre_fc_norm_hidden.weight", H);
   split_fc(t, H, wfmt, &fc_e_, &fc_h_);
   be_ = make_backend(backend, dims_, weights_, kv, max_context, page_size, threads_);
+  // on a device backend the head holds its own copy of the target's embedding table and LM
+  // head: the target engine's backend is another instance, whose buffers it does not share
+  be_->add_weights({&target_.embed, &target_.head(), &fc_e_, &fc_h_}, {&pre_e_, &pre_h_});
 }
 
 size_t MtpHead::weight_bytes() const {

@@ -7,8 +7,9 @@
 // the head's own output hidden state (after mtp.norm) and its pick back in.
 //
 // The head runs over its own backend instance (make_backend, sized for its one attention
-// layer) so every backend that runs the target runs it too; it shares the target engine's
-// embedding table and LM head (the engine must outlive it). Its committed rows are the target's
+// layer, of the target's kind) so every backend that runs the target runs it too; it reads the
+// target engine's embedding table and LM head (the engine must outlive it), which a device
+// backend copies into its own buffers (Backend::add_weights). Its committed rows are the target's
 // committed positions: the caller hands it the target's hidden rows (Engine::take_hidden) and
 // the tokens after them as the target commits them; drafting rolls its own rows back.
 #pragma once

@@ -142,6 +142,49 @@ def test_head_changes_no_target_output(tmp_path):
     assert np.array_equal(ta, tb)
 
 
+GPU = [b for b in sapwood.available_backends() if b != "cpu"]
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "gpu")[0]
+
+
+@pytest.mark.skipif(not GPU, reason="this build has no GPU backend")
+@pytest.mark.parametrize("backend", GPU)
+def test_head_on_gpu_backend_close_to_cpu(plain_ckpt, backend):
+    """The head runs on the target's backend kind. Its logits and output rows against the CPU
+    head's for the same rows and tokens: f32 weights and int8 KV on both sides, so they differ
+    by the kernels' summation orders only (test_backends.py's f32 bound, 2e-3 of the scale),
+    where a missing norm or a wrong fc half would be off by O(1)."""
+    out = {}
+    h = np.random.default_rng(3).normal(size=(len(PROMPT), 64)).astype(np.float32)
+    nxt = PROMPT[1:] + [7]
+    for b in ("cpu", backend):
+        mtp = sapwood.load(plain_ckpt, weights="f32", backend=b, max_context=256).mtp
+        z, out_h = mtp.prefill(h, nxt, True)
+        ids, _, zc = mtp.draft(h[:2], [11, 12], 5, 2, 0.0, 0, 0, True)
+        assert mtp.position == len(PROMPT) + 2
+        out[b] = (z, out_h, zc)
+    for what, got, want in zip(("prefill logits", "output rows", "chain logits"), out[backend], out["cpu"]):
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"{backend} vs cpu, {what}: {err:.2e} of the scale")
+        assert err <= 2e-3, what
+
+
+@pytest.mark.skipif(not GPU, reason="this build has no GPU backend")
+@pytest.mark.parametrize("backend", GPU)
+@pytest.mark.parametrize("verify, temperature", [("chain", 0.0), ("tree", 0.8)])
+def test_generate_on_gpu_backend_token_identical(plain_ckpt, backend, verify, temperature):
+    m = sapwood.load(plain_ckpt, backend=backend, max_context=256)
+    prompt = "The quick brown fox jumps over the lazy dog. The quick"
+    plain = m.generate(prompt, max_tokens=16, verify="off", temperature=temperature, seed=5)
+    out = m.generate(prompt, max_tokens=16, verify=verify, drafter="mtp", temperature=temperature,
+                     seed=5, width=6 if verify == "tree" else None)
+    assert out.tokens == plain.tokens
+    assert out.stats.nodes_verified > out.stats.cycles  # drafts were verified
+
+
 def _rewrite(d: Path, mutate_weights=None, mutate_config=None):
     from safetensors.numpy import save_file
 

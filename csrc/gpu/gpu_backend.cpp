@@ -137,6 +137,14 @@ const gpu::Buffer& GpuBackend::vec(const std::vector<float>& v) const {
 
 void GpuBackend::upload_vec(const std::vector<float>& v) { put(&vecs_[&v], v.data(), v.size() * 4); }
 
+void GpuBackend::add_weights(const std::vector<const QMatrix*>& mats,
+                             const std::vector<const std::vector<float>*>& vecs) {
+  for (const QMatrix* m : mats)
+    if (m->rows && !mats_.count(m)) upload_matrix(*m);
+  for (const std::vector<float>* v : vecs)
+    if (!v->empty() && !vecs_.count(v)) upload_vec(*v);
+}
+
 void GpuBackend::upload_matrix(const QMatrix& m) {
   Mat g{m.fmt, m.rows, m.cols, m.cols_pad, {}, {}};
   const size_t R = size_t(m.rows), Cc = size_t(m.cols);

@@ -58,6 +58,8 @@ class GpuBackend final : public Backend {
   void keep_row(int, int) override {}
   void append_kept(const std::vector<int>&, int) override {}
   void write_kv(int a, int P, int n, const float* k, const float* v) override;
+  void add_weights(const std::vector<const QMatrix*>& mats,
+                   const std::vector<const std::vector<float>*>& vecs) override;
   void snapshot(Snapshot* s) const override;
   void restore(const Snapshot& s) override;
   size_t kv_bytes() const override;
