@@ -2,7 +2,11 @@
 prompts, for every verify mode and drafter, greedy and at T=0.8.
 
     python bench/tokens_per_cycle.py [--max-tokens 64] [--out tokens_per_cycle.json]
-        [--arms off chain:mtp auto:mtp chain:default ...] [--prompts N]
+        [--arms off chain:mtp auto:mtp chain:default ...] [--prompts N] [--target DIR]
+
+--target: another target (e.g. the padded testbed of scripts/pad_checkpoint.py) with the bundled
+draft model attached; default: the bundled pair. The host's load average is recorded per
+temperature (speeds on a shared host are only as good as its load).
 
 Tokens per cycle is deterministic (the output is plain decoding's in every mode; checked here on
 every prompt). Speeds are side by side: for each prompt all arms run back to back, in forward
@@ -12,6 +16,7 @@ first and is not counted.
 """
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -29,6 +34,8 @@ def main():
     ap.add_argument("--arms", nargs="+", default=None,
                     help="verify:drafter pairs (drafter: mtp, default, lookup), 'off' first")
     ap.add_argument("--prompts", type=int, default=None, help="the first N held-out prompts")
+    ap.add_argument("--target", default=None, help="target checkpoint directory (the bundled "
+                    "draft is attached); default: the bundled pair")
     a = ap.parse_args()
     global ARMS
     if a.arms:
@@ -37,12 +44,18 @@ def main():
             ap.error("the first arm must be 'off' (the ratios are to it)")
     prompts = json.loads(Path(sapwood.__file__).with_name("benchmarks")
                          .joinpath("heldout_prompts.json").read_text())["prompts"][:a.prompts]
-    m = sapwood.load("default", max_context=2048)
+    if a.target is None:
+        m = sapwood.load("default", max_context=2048)
+    else:
+        from sapwood.loading import default_draft_path
+        m = sapwood.load(a.target, max_context=2048)
+        m.draft = sapwood.load(default_draft_path(), max_context=2048)
     out = {"revision": source_revision(), "model": model_identity(m), "machine": machine(),
-           "max_tokens": a.max_tokens, "prompts": len(prompts), "rows": []}
+           "max_tokens": a.max_tokens, "prompts": len(prompts), "rows": [], "loadavg": {}}
     for verify, drafter in ARMS:  # warm-up: first-request costs (page allocation, caches)
         m.generate(prompts[0]["text"], max_tokens=8, drafter=drafter, verify=verify)
     for temp in (0.0, 0.8):
+        load = [os.getloadavg()]
         per_arm = {arm: {"tpc": [], "tps": [], "wide": []} for arm in ARMS}
         for i, p in enumerate(prompts):
             ref = None
@@ -56,6 +69,9 @@ def main():
                 d["tpc"].append(r.stats.tokens_per_cycle)
                 d["tps"].append(r.stats.decode_tokens_per_s)
                 d["wide"].append(r.stats.wide_cycles / max(1, r.stats.cycles))
+        load.append(os.getloadavg())
+        out["loadavg"][str(temp)] = {"start": load[0], "end": load[1]}
+        print(f"T={temp:.1f} load average (1, 5, 15 min) at start {load[0]}, at end {load[1]}")
         off = per_arm[("off", None)]["tps"]
         for (verify, drafter), d in per_arm.items():
             ratios = [t / o for t, o in zip(d["tps"], off)]

@@ -2,6 +2,11 @@
 llama.cpp's own converter, for `sapwood bench peers --gguf`.
 
     python scripts/convert_gguf.py MODEL_DIR LLAMA_CPP_DIR --outtype q8_0 --outfile target-q8_0.gguf
+        [--keep-mtp]
+
+--keep-mtp keeps the checkpoint's MTP head (`mtp.*`, the bundled target has one) as llama.cpp's
+NextN layer, for its `--spec-type draft-mtp`; without it the head is left out (--no-mtp), as the
+peers benchmark wants.
 
 LLAMA_CPP_DIR is a llama.cpp source tree, e.g. the one vendored in llama-cpp-python's sdist
 (`pip download --no-binary :all: --no-deps llama-cpp-python`, then vendor/llama.cpp), so the
@@ -26,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("llama_cpp", type=Path, help="llama.cpp source tree (has convert_hf_to_gguf.py)")
     ap.add_argument("--outtype", default="q8_0", choices=["f32", "f16", "bf16", "q8_0"])
     ap.add_argument("--outfile", type=Path, required=True)
+    ap.add_argument("--keep-mtp", action="store_true", help="keep the MTP head (llama.cpp draft-mtp)")
     a = ap.parse_args(argv)
     conv = a.llama_cpp / "convert_hf_to_gguf.py"
     if not conv.is_file():
@@ -43,8 +49,9 @@ def main(argv=None) -> int:
             return "gpt-2"
 
     TextModel.get_vocab_base_pre = vocab_base_pre
-    sys.argv = ["convert_hf_to_gguf.py", str(a.model), "--outtype", a.outtype, "--outfile", str(a.outfile),
-                "--no-mtp"]  # sapwood checkpoints carry no MTP head
+    sys.argv = ["convert_hf_to_gguf.py", str(a.model), "--outtype", a.outtype, "--outfile", str(a.outfile)]
+    if not a.keep_mtp:
+        sys.argv.append("--no-mtp")
     convert_hf_to_gguf.main()
     print(f"wrote {a.outfile}")
     return 0
