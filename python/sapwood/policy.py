@@ -7,9 +7,9 @@ with the best chain depth, using what the request's rounds kept so far (a surviv
 row, pooled per context band across requests); after drafting, it picks the best prefix of the
 drafter's chain and of the best-first tree, using the calibrated acceptance of each node (by
 depth, rank and the drafter's confidence). Costs are medians of recent timings per context band:
-verify by node count, draft by row, and the rest of a round by kind, so a preempted round on a
-shared host moves nothing. The admission EMA is DESIGN.md's: trees only while the chain's
-acceptance is below its threshold.
+verify by node count (times the host's level, which follows a shared host's load), draft by row,
+and the rest of a round by kind, so a preempted round moves nothing. The admission EMA is
+DESIGN.md's: trees only while the chain's acceptance is below its threshold.
 
 Every choice changes speed only: any tree's walk commits the target's own picks.
 """
@@ -74,11 +74,28 @@ class Costs:
         self.window, self.min_samples = window, min_samples
         self.t: dict[tuple, deque] = {}
         self._lines: dict[int, tuple | None] = {}
+        # per band, the host's level: a shared host's load scales every node count at once, so
+        # verify timings are stored divided by the level they were taken at and priced at
+        # today's. Each timing of a count timed min_samples times votes timing / its median;
+        # the level is the median of the last few counts' votes and itself, so it moves only
+        # where two counts agree: one count that turns dear is that count's cost
+        self.level: dict[int, float] = {}
+        self._votes: dict[int, deque] = {}
 
     def observe(self, band: int, part: str, size, seconds: float) -> None:
-        self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
         if part == "verify":
+            xs, level = self.t.get((band, part, size)), self.level.get(band, 1.0)
+            if xs and len(xs) >= self.min_samples:
+                # the last 2 * min_samples - 1 votes: a few rounds, so a change is followed
+                votes = self._votes.setdefault(band, deque(maxlen=2 * self.min_samples - 1))
+                votes.append((size, seconds / _median(xs)))
+                by_size = {n: [r for m, r in votes if m == n] for n, _ in votes}
+                if len(by_size) >= 2:
+                    level = self.level[band] = _median([_median(v) for v in by_size.values()]
+                                                       + [level])
+            seconds /= level
             self._lines[band] = None
+        self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
 
     def median(self, band, part, size, default=None):
         xs = self.t.get((band, part, size))
@@ -101,12 +118,12 @@ class Costs:
         return line
 
     def verify(self, band, nodes: int):
-        xs = self.t.get((band, "verify", nodes))
-        if xs and len(xs) >= self.min_samples:
-            return _median(xs)
-        line = self._line(band)
-        return _median(xs) if line is None and xs else (
-            None if line is None else line[0] + line[1] * nodes)
+        xs, line = self.t.get((band, "verify", nodes)), self._line(band)
+        if xs and (len(xs) >= self.min_samples or line is None):
+            shape = _median(xs)
+        else:
+            shape = None if line is None else line[0] + line[1] * nodes
+        return None if shape is None else shape * self.level.get(band, 1.0)
 
     def calibrated(self, band) -> bool:
         return self._line(band) is not None
@@ -355,6 +372,7 @@ class Policy:
     def state(self) -> dict:
         return {"params": asdict(self.params),
                 "costs": [[b, p, s, list(v)] for (b, p, s), v in self.costs.t.items()],
+                "level": {str(b): v for b, v in self.costs.level.items()},
                 "acceptance": {str(b): [a.offered.tolist(), a.accepted.tolist()]
                                for b, a in [(-1, self.acceptance)] + sorted(self.bands.items())},
                 "rows": {str(b): [list(r), list(k)] for b, (r, k) in self.rows.items()}}
@@ -367,8 +385,11 @@ class Policy:
             if p not in ("verify", "draft", "catch_up", "rest") or not all(
                     isinstance(x, (int, float)) and x >= 0 for x in v):
                 raise ValueError(f"bad cost entry {(b, p, size)!r}")
-            for x in v:
-                costs.observe(int(b), p, size, x)
+            costs.t[int(b), p, size] = deque(map(float, v), maxlen=self.params.window)
+        for b, v in s.get("level", {}).items():
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"bad cost level {v!r} for band {b}")
+            costs.level[int(b)] = float(v)
         bands = {}
         for b, (off, ok) in s["acceptance"].items():
             a = self.acceptance if int(b) == -1 else Acceptance(self.params.prior_strength,
