@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +45,19 @@ class Backend {
   virtual std::string name() const = 0;
   virtual void set_threads(int threads) = 0;  // threads of the next forward (CPU)
 
+  // ---- sequences of one model (Engine::new_sequence) ----
+  // A backend for another sequence of the same model: this one's weights (on a GPU, its
+  // device and the weights uploaded to it) shared, its own empty state of max_context
+  // positions. Siblings' rows can run in one forward (Forward::run_forest).
+  virtual std::unique_ptr<Backend> new_sequence(int max_context, int threads) const = 0;
+  // Siblings that share one device queue (a GPU's) must not encode from two threads at once:
+  // the lock every engine call over this backend holds. Null where siblings share nothing
+  // mutable (the CPU's).
+  virtual std::recursive_mutex* device_lock() const { return nullptr; }
+  // This backend's state takes part in a forward whose stateless ops run on a sibling: the
+  // layouts it is handed from now on are the new forward's.
+  virtual void begin_forward() {}
+
   // ---- activations ----
   // Scratch buffer `id` (Forward::Buf) with room for n floats, kept across forwards.
   virtual Act scratch(int id, size_t n) = 0;
@@ -52,6 +66,9 @@ class Backend {
   virtual void upload(Act dst, const float* src, size_t n) = 0;
   // Wait for the forward and copy n floats out (the sync point).
   virtual void download(Act src, size_t n, float* dst) = 0;
+  // dst = src, n floats in device order (the two do not overlap): a forest's K/V rows into
+  // each sequence's own rows.
+  virtual void copy(Act dst, Act src, size_t n) = 0;
 
   // ---- stateless ops (rows-major fp32; out may alias an input where noted) ----
   // x[i] = row tokens[i] of the embedding table, as the matmul sees it. Every forward starts

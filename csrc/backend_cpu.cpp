@@ -17,7 +17,7 @@ Act host(float* p) { return Act{p, nullptr, 0}; }
 
 CpuBackend::CpuBackend(const ModelDims& d, const ModelWeights& w, KVDtype kv, int max_context,
                        int page_size, int threads)
-    : d_(d), threads_(threads) {
+    : d_(d), w_(w), kv_(kv), page_size_(page_size), threads_(threads) {
   const int pages = (max_context + page_size - 1) / page_size;
   pool_ = std::make_shared<KVPagePool>(pages, page_size, std::max(1, d.n_attn()),
                                        std::max(1, d.n_kv_heads), std::max(32, d.head_dim), kv);
@@ -45,6 +45,10 @@ void CpuBackend::upload(Act dst, const float* src, size_t n) {
 
 void CpuBackend::download(Act src, size_t n, float* dst) {
   if (n) std::memcpy(dst, src.p, n * sizeof(float));
+}
+
+void CpuBackend::copy(Act dst, Act src, size_t n) {
+  if (n) std::memcpy(dst.p, src.p, n * sizeof(float));
 }
 
 void CpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {

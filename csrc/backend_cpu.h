@@ -16,10 +16,15 @@ class CpuBackend final : public Backend {
              int page_size, int threads);
   std::string name() const override { return "cpu"; }
   void set_threads(int threads) override { threads_ = threads; }
+  // the weights are the engine's (ModelWeights, shared by its siblings): nothing to copy
+  std::unique_ptr<Backend> new_sequence(int max_context, int threads) const override {
+    return std::make_unique<CpuBackend>(d_, w_, kv_, max_context, page_size_, threads);
+  }
 
   Act scratch(int id, size_t n) override;
   void upload(Act dst, const float* src, size_t n) override;
   void download(Act src, size_t n, float* dst) override;
+  void copy(Act dst, Act src, size_t n) override;
 
   void embed(const QMatrix& table, const int* tokens, int n, Act x) override;
   void rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) override;
@@ -61,7 +66,9 @@ class CpuBackend final : public Backend {
 
  private:
   const ModelDims& d_;
-  int threads_;
+  const ModelWeights& w_;
+  KVDtype kv_;
+  int page_size_, threads_;
   std::shared_ptr<KVPagePool> pool_;
   std::unique_ptr<KVSequence> seq_;
   std::vector<GDNLayer> gdn_;

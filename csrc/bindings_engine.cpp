@@ -20,6 +20,44 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("position", [](const Snapshot& s) { return s.length; })
       .def_property_readonly("model_id", [](const Snapshot& s) { return s.model_id; });
 
+  m.def("verify_many", [](py::handle items) {
+          std::vector<Engine*> engines;
+          std::vector<std::vector<int>> tokens, parents;
+          if (!py::isinstance<py::sequence>(items) || py::isinstance<py::str>(items))
+            throw InputError("verify_many: items must be a list of (engine, tokens, parents)");
+          py::sequence seq = py::reinterpret_borrow<py::sequence>(items);
+          for (size_t i = 0; i < seq.size(); ++i) {
+            py::handle it = seq[i];
+            if (!py::isinstance<py::tuple>(it) && !py::isinstance<py::list>(it))
+              throw InputError(cat("verify_many: item ", i, " must be (engine, tokens, parents)"));
+            py::sequence t = py::reinterpret_borrow<py::sequence>(it);
+            if (t.size() != 3)
+              throw InputError(cat("verify_many: item ", i, " must be (engine, tokens, parents), got ",
+                                   t.size(), " values"));
+            try {
+              engines.push_back(t[0].cast<Engine*>());
+            } catch (const py::cast_error&) {
+              throw InputError(cat("verify_many: item ", i, "'s first value is not an Engine"));
+            }
+            tokens.push_back(as_ints(t[1], "tokens"));
+            parents.push_back(as_ints(t[2], "parents"));
+          }
+          std::vector<std::vector<float>> out;
+          {
+            py::gil_scoped_release release;
+            out = Engine::verify_many(engines, tokens, parents);
+          }
+          py::list res;
+          for (size_t i = 0; i < out.size(); ++i)
+            res.append(to_array(std::move(out[i]), py::ssize_t(tokens[i].size()),
+                                engines[i]->dims().vocab));
+          return res;
+        },
+        py::arg("items"),
+        "Verify several sequences' trees in one forward: items is [(engine, tokens, parents), "
+        "...] over engines of one model (new_sequence), each at most once. Returns each one's "
+        "logits [N_i, V], the bits its own verify() gives; each then commits its own path.");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
                        const std::string& kv, int max_context, int threads,
@@ -35,6 +73,17 @@ void bind_engine(py::module_& m) {
            py::arg("dims"), py::arg("weights"), py::arg("weights_format") = "q8",
            py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0,
            py::arg("backend") = "cpu")
+      .def("new_sequence", [](const Engine& e, int max_context, int threads) {
+             py::gil_scoped_release release;
+             return std::make_unique<Engine>(e, max_context, threads);
+           },
+           py::arg("max_context") = 0, py::arg("threads") = 0,
+           "Another sequence of this engine's model: the same weights (one copy, on a GPU "
+           "backend the same device buffers), its own empty state. max_context and threads: 0 "
+           "takes this engine's. Its rows and this one's can be verified in one forward "
+           "(verify_many); snapshots move between them.")
+      .def("shares_weights", &Engine::shares_weights, py::arg("other"),
+           "Whether the two engines run one copy of the weights (new_sequence).")
       .def("prefill", [](Engine& e, py::handle tokens, bool all_logits) {
              std::vector<int> t = as_ints(tokens, "tokens");
              std::vector<float> out;

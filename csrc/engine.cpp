@@ -106,19 +106,44 @@ Engine::Use::Use(const Engine& e) : e_(e) {
     throw EngineBusy("engine is in use by another thread: an Engine runs one call at a time "
                      "(give each thread its own Engine, or serialise the calls)");
   outer_ = true;
+  if (std::recursive_mutex* m = e.be_->device_lock()) device_ = std::unique_lock<std::recursive_mutex>(*m);
 }
 
 Engine::Use::~Use() {
   if (outer_) e_.owner_.store(std::thread::id(), std::memory_order_release);
 }
 
+namespace {
+
+std::shared_ptr<const SharedModel> build_model(const ModelDims& d, const TensorMap& t, WFormat wfmt,
+                                               KVDtype kv, int max_context, int threads,
+                                               int page_size) {
+  auto m = std::make_shared<SharedModel>();
+  m->dims = checked(d, max_context, threads, page_size);
+  m->weights = load_weights(d, t, wfmt);
+  m->model_id = fingerprint(d, t, wfmt, kv, page_size);
+  return m;
+}
+
+}  // namespace
+
 Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
                int threads, int page_size, const std::string& backend)
-    : dims_(checked(d, max_context, threads, page_size)), max_context_(max_context),
+    : model_(build_model(d, t, wfmt, kv, max_context, threads, page_size)), dims_(model_->dims),
+      weights_(model_->weights), max_context_(max_context),
       threads_(threads > 0 ? threads : default_threads()), fwd_(dims_, weights_) {
-  weights_ = load_weights(d, t, wfmt);
-  model_id_ = fingerprint(d, t, wfmt, kv, page_size);
   be_ = make_backend(backend, dims_, weights_, kv, max_context, page_size, threads_);
+}
+
+Engine::Engine(const Engine& base, int max_context, int threads)
+    : model_(base.model_), dims_(model_->dims), weights_(model_->weights),
+      max_context_(max_context > 0 ? max_context : base.max_context_),
+      threads_(threads > 0 ? threads : base.threads_), fwd_(dims_, weights_) {
+  SW_CHECK(max_context >= 0 && max_context <= kMaxContext, "max_context must be in [1, ",
+           kMaxContext, "] (0: the base engine's), got ", max_context);
+  SW_CHECK(threads >= 0 && threads <= 1024, "threads must be in [0, 1024] (0: the base engine's), "
+           "got ", threads);
+  be_ = base.be_->new_sequence(max_context_, threads_);
 }
 
 Engine::~Engine() {
@@ -188,9 +213,7 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
   }
 }
 
-std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
-  Use use(*this);
-  join_fold();
+BatchLayout Engine::tree_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const {
   SW_CHECK(tokens.size() == parents.size(), "tokens (", tokens.size(), ") and parents (",
            parents.size(), ") differ in length");
   SW_CHECK(tokens.size() <= size_t(kMaxVerifyNodes), "verify: a tree of ", tokens.size(),
@@ -211,12 +234,82 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
     lay.pos.push_back(position() + depth[i]);
     lay.row_len.push_back(position() + depth[i] + 1);
   }
+  return lay;
+}
+
+std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
+  Use use(*this);
+  join_fold();
+  const BatchLayout lay = tree_layout(tokens, parents);
   begin_change();
-  be_->set_threads(forward_threads(n));
+  be_->set_threads(forward_threads(lay.n));
   std::vector<float> logits;
   fwd_.run(*be_, tokens.data(), lay, 0, &logits, keep_hidden_ ? &tape_hidden_ : nullptr);
   tape_parents_ = parents;
   return logits;
+}
+
+std::vector<std::vector<float>> Engine::verify_many(const std::vector<Engine*>& engines,
+                                                    const std::vector<std::vector<int>>& tokens,
+                                                    const std::vector<std::vector<int>>& parents) {
+  const size_t k = engines.size();
+  SW_CHECK(k >= 1, "verify_many: no sequences given");
+  SW_CHECK(tokens.size() == k && parents.size() == k, "verify_many: ", k, " engines, ",
+           tokens.size(), " token lists and ", parents.size(), " parent lists");
+  Engine& lead = *engines[0];
+  for (size_t i = 0; i < k; ++i) {
+    SW_CHECK(engines[i] != nullptr, "verify_many: sequence ", i, " has no engine");
+    SW_CHECK(engines[i]->model_ == lead.model_, "verify_many: sequence ", i, "'s engine does not "
+             "share sequence 0's weights (make the engines with new_sequence)");
+    for (size_t j = 0; j < i; ++j)
+      SW_CHECK(engines[j] != engines[i], "verify_many: sequences ", j, " and ", i,
+               " are the same engine (one tree per sequence)");
+  }
+  // every engine claimed and checked before any state changes
+  std::vector<std::unique_ptr<Use>> uses;
+  std::vector<BatchLayout> lays(k);
+  std::vector<int> all;
+  for (size_t i = 0; i < k; ++i) {
+    Engine& e = *engines[i];
+    uses.push_back(std::make_unique<Use>(e));
+    e.join_fold();
+    try {
+      lays[i] = e.tree_layout(tokens[i], parents[i]);
+    } catch (const InputError& x) {
+      throw InputError(cat("verify_many: sequence ", i, ": ", x.what()));
+    }
+    all.insert(all.end(), tokens[i].begin(), tokens[i].end());
+  }
+  SW_CHECK(all.size() <= size_t(kMaxVerifyNodes), "verify_many: ", all.size(), " nodes in all; at "
+           "most ", kMaxVerifyNodes, " are verified in one forward");
+  // the sequences' threads pooled: each caller waits for this one forward
+  int pooled = 0;
+  for (Engine* e : engines) pooled += e->threads_;
+  const int threads = threads_for(
+      (long long)all.size() * lead.weights_.macs_per_token() / kForwardRegions, pooled);
+  std::vector<SeqRows> parts(k);
+  bool hidden = false;
+  for (size_t i = 0; i < k; ++i) {
+    Engine& e = *engines[i];
+    e.begin_change();
+    e.be_->set_threads(threads);
+    parts[i] = SeqRows{e.be_.get(), &lays[i]};
+    hidden = hidden || e.keep_hidden_;
+  }
+  std::vector<float> logits, rows;
+  lead.fwd_.run_forest(*lead.be_, parts, all.data(), &logits, hidden ? &rows : nullptr);
+  std::vector<std::vector<float>> out(k);
+  const size_t V = size_t(lead.dims_.vocab), H = size_t(lead.dims_.hidden);
+  size_t r0 = 0;
+  for (size_t i = 0; i < k; ++i) {
+    Engine& e = *engines[i];
+    const size_t n = size_t(lays[i].n);
+    out[i].assign(logits.begin() + r0 * V, logits.begin() + (r0 + n) * V);
+    if (e.keep_hidden_) e.tape_hidden_.assign(rows.begin() + r0 * H, rows.begin() + (r0 + n) * H);
+    e.tape_parents_ = parents[i];
+    r0 += n;
+  }
+  return out;
 }
 
 void Engine::commit(const std::vector<int>& path, bool fold_in_background) {
@@ -458,7 +551,7 @@ std::shared_ptr<Snapshot> Engine::snapshot() const {
   auto s = std::make_shared<Snapshot>();
   s->length = position();
   s->backend = be_->name();
-  s->model_id = model_id_;
+  s->model_id = model_->model_id;
   be_->snapshot(s.get());
   return s;
 }
@@ -468,8 +561,8 @@ void Engine::restore(const Snapshot& s) {
   join_fold();
   SW_CHECK(s.backend == be_->name(), "snapshot is from the ", s.backend, " backend, this engine runs ",
            be_->name());
-  SW_CHECK(s.model_id == model_id_, "snapshot is from another model (model id ", std::hex,
-           s.model_id, ", this engine's ", model_id_, ")");
+  SW_CHECK(s.model_id == model_->model_id, "snapshot is from another model (model id ", std::hex,
+           s.model_id, ", this engine's ", model_->model_id, ")");
   SW_CHECK(s.length >= 0 && s.length <= max_context_, "snapshot of ", s.length,
            " positions does not fit max_context ", max_context_);
   be_->restore(s);  // validates, then applies

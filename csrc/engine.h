@@ -3,6 +3,7 @@
 #pragma once
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -28,10 +29,34 @@ int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint6
 void rank_draft_rows(const float* z, int rows, int V, int k, const std::vector<int>& chain,
                      std::vector<int>* ids, std::vector<double>* logp);
 
+// What the sequences of one model share (Engine::new_sequence): its dims, its weights and
+// their identity. Immutable once built.
+struct SharedModel {
+  ModelDims dims;
+  ModelWeights weights;
+  uint64_t model_id = 0;
+};
+
 class Engine {
  public:
   Engine(const ModelDims& dims, const TensorMap& weights, WFormat wfmt, KVDtype kv,
          int max_context, int threads, int page_size = 64, const std::string& backend = "cpu");
+  // Another sequence of `base`'s model: its weights (and a GPU backend's device and uploaded
+  // weights) shared, its own empty state; max_context and threads as given (0: base's).
+  // Snapshots move between the two (the same model id and backend).
+  Engine(const Engine& base, int max_context, int threads);
+  // Whether two engines run one copy of the weights (one is the other's new_sequence, or both
+  // of a third's).
+  bool shares_weights(const Engine& other) const { return model_ == other.model_; }
+  // Verify the trees of several sequences of one model (engines sharing weights, each at most
+  // once) in one forward (Forward::run_forest): each weight matrix is read once for all their
+  // rows. Each engine's logits [N_i][V] are the bits its own verify(tokens[i], parents[i])
+  // gives, and each then commits a path of its tree as after verify(). At most
+  // kMaxVerifyNodes nodes in all. Every engine is checked before any state changes. The
+  // forward runs on the engines' threads together (each one's caller waits for it).
+  static std::vector<std::vector<float>> verify_many(const std::vector<Engine*>& engines,
+                                                     const std::vector<std::vector<int>>& tokens,
+                                                     const std::vector<std::vector<int>>& parents);
 
   // Commit tokens; logits of the last row [V], or of every row [T][V].
   std::vector<float> prefill(const std::vector<int>& tokens, bool all_rows);
@@ -90,7 +115,7 @@ class Engine {
   void restore(const Snapshot& s);
   // A hash of the dims, the weights as given, the weight format, the KV dtype and the page
   // size: engines built from the same checkpoint the same way have the same id.
-  uint64_t model_id() const { return model_id_; }
+  uint64_t model_id() const { return model_->model_id; }
   // The most nodes verify() takes: the forward's largest batch (a prefill chunk), so a tree
   // never raises the peak memory above a prompt's.
   static constexpr int kMaxVerifyNodes = 256;
@@ -127,11 +152,13 @@ class Engine {
    private:
     const Engine& e_;
     bool outer_ = false;
+    std::unique_lock<std::recursive_mutex> device_;  // Backend::device_lock(), when it has one
   };
   mutable std::atomic<std::thread::id> owner_{};
-  uint64_t model_id_ = 0;
 
   void check_tokens(const std::vector<int>& tokens) const;
+  // verify()'s checks of a tree and its layout at the current position
+  BatchLayout tree_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const;
   // Appends the logits prefill(tokens, all_rows) returns to *out.
   void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out,
                       std::vector<float>* hidden = nullptr);
@@ -151,8 +178,9 @@ class Engine {
   void join_fold() const;
   mutable bool fold_running_ = false;
 
-  ModelDims dims_;
-  ModelWeights weights_;
+  std::shared_ptr<const SharedModel> model_;
+  const ModelDims& dims_;        // model_'s
+  const ModelWeights& weights_;  // model_'s
   int max_context_, threads_;
   Forward fwd_;
   std::unique_ptr<Backend> be_;     // the committed state and the ops of the forward

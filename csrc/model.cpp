@@ -118,16 +118,24 @@ ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
   return w;
 }
 
-void Forward::gdn_mixer(Backend& be, int l, int gi, Act h, const BatchLayout& lay, Act out) {
+void Forward::gdn_mixer(Backend& be, int l, int gi, Act h, const Rows& r, Act out) {
   const LayerWeights& L = w_.layers[l];
-  const int n = lay.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
+  const int n = r.n, C = d_.conv_dim(), hv = d_.hv, dv = d_.dv, V = hv * dv;
   Act qkv = be.scratch(kQKV, size_t(n) * C), z = be.scratch(kZ, size_t(n) * V);
   Act ba = be.scratch(kBA, size_t(n) * 2 * hv);
   be.matmul(h, n, {{&L.qkv, qkv}, {&L.ba, ba}, {&L.z, z}});  // ba: f32, always
   Act beta = be.scratch(kBeta, size_t(n) * hv), gdec = be.scratch(kDecay, size_t(n) * hv);
   be.gdn_gates(ba, n, hv, L.neg_exp_a, L.dt_bias, beta, gdec);
   Act o = be.scratch(kO, size_t(n) * V);
-  be.gdn(gi, qkv, gdec, beta, lay, o);
+  if (r.parts.size() == 1) {
+    be.gdn(gi, qkv, gdec, beta, *r.parts[0].lay, o);
+  } else {
+    size_t r0 = 0;
+    for (const SeqRows& p : r.parts) {
+      p.be->gdn(gi, qkv + r0 * C, gdec + r0 * hv, beta + r0 * hv, *p.lay, o + r0 * V);
+      r0 += size_t(p.lay->n);
+    }
+  }
   // Gated RMSNorm per value head: w * (o * rsqrt(mean(o^2) + eps)) * silu(z) (plain w).
   // (gnorm * (o * inv)) * silu(z) == silu(z) * ((o * inv) * gnorm): products commute, bits
   // unchanged; silu_mul writes the gate's product over the normed o
@@ -136,12 +144,17 @@ void Forward::gdn_mixer(Backend& be, int l, int gi, Act h, const BatchLayout& la
   be.matmul(o, n, {{&L.out, out}});
 }
 
-void Forward::attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& lay, Act out) {
+void Forward::attn_mixer(Backend& be, int l, int a, Act h, const Rows& r, Act out) {
   const LayerWeights& L = w_.layers[l];
-  const int n = lay.n, D = d_.head_dim, Hq = d_.n_heads, Hkv = d_.n_kv_heads;
+  const int n = r.n, D = d_.head_dim, Hq = d_.n_heads, Hkv = d_.n_kv_heads;
   const size_t nq = size_t(n) * Hq * D;
   Act qg = be.scratch(kQG, 2 * nq), q = be.scratch(kQ, nq), gate = be.scratch(kAttGate, nq);
-  Act k = be.kv_rows(a, n, false), v = be.kv_rows(a, n, true);
+  // one sequence: its K/V rows straight into its own rows; a forest's into shared scratch,
+  // copied to each part's own rows after norm and rotary
+  const bool one = r.parts.size() == 1;
+  const size_t kv = size_t(Hkv) * D;
+  Act k = one ? be.kv_rows(a, n, false) : be.scratch(kForestK, n * kv);
+  Act v = one ? be.kv_rows(a, n, true) : be.scratch(kForestV, n * kv);
   be.matmul(h, n, {{&L.q, qg}, {&L.k, k}, {&L.v, v}});
   be.split_q_gate(qg, n, Hq, D, q, gate);
   // every head of every row in one call each, so that their norms' chains run side by side
@@ -151,7 +164,18 @@ void Forward::attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& la
   be.rope(q, n, Hq, D, d_.rotary_dim, cs);
   be.rope(k, n, Hkv, D, d_.rotary_dim, cs);
   Act att = be.scratch(kAtt, nq);
-  be.attend(a, q, lay, att);
+  if (one) {
+    be.attend(a, q, *r.parts[0].lay, att);
+  } else {
+    size_t r0 = 0;
+    for (const SeqRows& p : r.parts) {
+      const int m = p.lay->n;
+      be.copy(p.be->kv_rows(a, m, false), k + r0 * kv, m * kv);
+      be.copy(p.be->kv_rows(a, m, true), v + r0 * kv, m * kv);
+      p.be->attend(a, q + r0 * Hq * D, *p.lay, att + r0 * Hq * D);
+      r0 += size_t(m);
+    }
+  }
   be.sigmoid_mul(gate, att, att, nq);
   be.matmul(att, n, {{&L.o, out}});
 }
@@ -162,11 +186,29 @@ namespace sapwood {
 
 void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
                   std::vector<float>* logits, std::vector<float>* hidden) {
-  const int n = lay.n, H = d_.hidden;
+  const std::vector<SeqRows> one{{&be, &lay}};
+  forward(be, tokens, Rows{lay.n, lay.pos, one}, logit_from, logits, hidden);
+}
+
+void Forward::run_forest(Backend& ops, const std::vector<SeqRows>& parts, const int* tokens,
+                         std::vector<float>* logits, std::vector<float>* hidden) {
+  SW_CHECK(!parts.empty(), "a forest of no sequences");
+  std::vector<int> pos;
+  for (const SeqRows& p : parts) {
+    SW_CHECK(!p.lay->prefill, "a forest forward verifies trees; prefill runs alone");
+    pos.insert(pos.end(), p.lay->pos.begin(), p.lay->pos.end());
+    p.be->begin_forward();
+  }
+  forward(ops, tokens, Rows{int(pos.size()), pos, parts}, 0, logits, hidden);
+}
+
+void Forward::forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
+                      std::vector<float>* logits, std::vector<float>* hidden) {
+  const int n = r.n, H = d_.hidden;
   const size_t nh = size_t(n) * H;
   Act x = be.scratch(kX, nh);
   be.embed(w_.embed, tokens, n, x);
-  run_layers(be, x, lay);
+  layers(be, x, r);
   Act h = be.scratch(kH, nh);
   const int m = n - logit_from;
   be.rms_norm(x + size_t(logit_from) * H, w_.final_norm, m, H, d_.eps, h);
@@ -187,7 +229,12 @@ void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int lo
 }
 
 void Forward::run_layers(Backend& be, Act x, const BatchLayout& lay) {
-  const int n = lay.n, H = d_.hidden, I = d_.inter;
+  const std::vector<SeqRows> one{{&be, &lay}};
+  layers(be, x, Rows{lay.n, lay.pos, one});
+}
+
+void Forward::layers(Backend& be, Act x, const Rows& r) {
+  const int n = r.n, H = d_.hidden, I = d_.inter;
   const size_t nh = size_t(n) * H, ni = size_t(n) * I;
   Act h = be.scratch(kH, nh), mix = be.scratch(kMix, nh);
   Act g = be.scratch(kGate, ni), u = be.scratch(kUp, ni);
@@ -198,7 +245,7 @@ void Forward::run_layers(Backend& be, Act x, const BatchLayout& lay) {
   for (int f = 0; d_.n_attn() > 0 && f < half; ++f) {
     const double inv = 1.0 / std::pow(double(d_.rope_theta), double(2 * f) / double(d_.rotary_dim));
     for (int i = 0; i < n; ++i) {
-      const double ang = double(lay.pos[i]) * inv;
+      const double ang = double(r.pos[i]) * inv;
       rope_cs_[(size_t(i) * half + f) * 2] = float(std::cos(ang));
       rope_cs_[(size_t(i) * half + f) * 2 + 1] = float(std::sin(ang));
     }
@@ -209,9 +256,9 @@ void Forward::run_layers(Backend& be, Act x, const BatchLayout& lay) {
     const LayerWeights& L = w_.layers[l];
     be.rms_norm(x, L.in_norm, n, H, d_.eps, h);
     if (d_.is_attn[l])
-      attn_mixer(be, l, a++, h, lay, mix);
+      attn_mixer(be, l, a++, h, r, mix);
     else
-      gdn_mixer(be, l, gi++, h, lay, mix);
+      gdn_mixer(be, l, gi++, h, r, mix);
     be.add(x, mix, nh);
     be.rms_norm(x, L.post_norm, n, H, d_.eps, h);
     be.matmul(h, n, {{&L.gate, g}, {&L.up, u}});

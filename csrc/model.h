@@ -83,6 +83,12 @@ struct BatchLayout {
 
 class Backend;
 
+// One sequence's part of a forward: its state (a backend) and where its rows sit.
+struct SeqRows {
+  Backend* be;
+  const BatchLayout* lay;
+};
+
 // The forward pass of DESIGN.md, written once over the backend's op list and state.
 class Forward {
  public:
@@ -98,16 +104,34 @@ class Forward {
   // The decoder layers alone over rows x [n][H] (in place), RoPE at lay.pos: what run() does
   // between the embedding and the final norm (the MTP head feeds its own rows in).
   void run_layers(Backend& be, Act x, const BatchLayout& lay);
+  // Several sequences' trees in one forward (verify layouts): the rows of parts[i] follow
+  // those of parts[i - 1]. The stateless ops (every matmul among them) run on `ops`, a sibling
+  // of every part's backend (Backend::new_sequence), over all rows at once, so each weight
+  // matrix is read once for all of them; each part's attention and GDN layers run over its own
+  // state and layout, so rows of different parts never see each other. The matmuls are
+  // row-independent (DESIGN.md "Exactness"): a part's logits [n][V] (appended in part order to
+  // *logits, [total][V]) and hidden rows are the bits run() gives it alone.
+  void run_forest(Backend& ops, const std::vector<SeqRows>& parts, const int* tokens,
+                  std::vector<float>* logits, std::vector<float>* hidden = nullptr);
 
   // Activations, kept by the backend from one forward to the next (an engine runs one at a
   // time; fresh buffers per forward cost malloc, free and zeroing); every buffer is written in
   // full before it is read.
   enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate,
-             kAtt, kRope, kLogits, kBufs };
+             kAtt, kRope, kLogits, kForestK, kForestV, kBufs };
 
  private:
-  void gdn_mixer(Backend& be, int l, int g, Act h, const BatchLayout& lay, Act out);
-  void attn_mixer(Backend& be, int l, int a, Act h, const BatchLayout& lay, Act out);
+  // The rows of one forward: n in all, at positions pos, split into parts (one for run()).
+  struct Rows {
+    int n;
+    const std::vector<int>& pos;
+    const std::vector<SeqRows>& parts;
+  };
+  void forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
+               std::vector<float>* logits, std::vector<float>* hidden);
+  void layers(Backend& be, Act x, const Rows& r);
+  void gdn_mixer(Backend& be, int l, int g, Act h, const Rows& r, Act out);
+  void attn_mixer(Backend& be, int l, int a, Act h, const Rows& r, Act out);
 
   const ModelDims& d_;
   const ModelWeights& w_;

@@ -21,8 +21,18 @@ constexpr int kQ8Threads = SW_Q8_THREADS, kQ8Rows = SW_Q8_MAX_ROWS;
 }  // namespace
 
 GpuBackend::GpuBackend(std::unique_ptr<gpu::Device> dev, const ModelDims& d,
-                           const ModelWeights& w, KVDtype kv, int max_context, int page_size)
-    : dev_(std::move(dev)), name_(dev_->name()), d_(d), page_size_(page_size) {
+                       const ModelWeights& w, KVDtype kv, int max_context, int page_size)
+    : GpuBackend(std::make_shared<Shared>(std::move(dev)), d, w, kv, max_context, page_size, true) {}
+
+std::unique_ptr<Backend> GpuBackend::new_sequence(int max_context, int) const {
+  std::lock_guard<std::recursive_mutex> hold(shared_->lock);  // allocates on the shared device
+  return std::unique_ptr<Backend>(new GpuBackend(shared_, d_, w_, kv_dtype_, max_context, page_size_, false));
+}
+
+GpuBackend::GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const ModelWeights& w,
+                       KVDtype kv, int max_context, int page_size, bool upload)
+    : shared_(std::move(shared)), dev_(shared_->dev.get()), name_(dev_->name()), d_(d), w_(w),
+      kv_dtype_(kv), page_size_(page_size) {
   SW_CHECK(kv == KVDtype::Int8, "the ", name_, " backend keeps KV in int8 pages only (kv='int8')");
   SW_CHECK(page_size % SW_ATTN_TILE == 0, "page_size must be a multiple of ", int(SW_ATTN_TILE));
   SW_CHECK(d.n_attn() == 0 || (d.head_dim <= SW_MAX_HEAD_DIM && d.head_dim % SW_KV_GROUP == 0),
@@ -36,17 +46,17 @@ GpuBackend::GpuBackend(std::unique_ptr<gpu::Device> dev, const ModelDims& d,
   for (int i = num_pages_ - 1; i >= 0; --i) free_.push_back(i);
   scratch_.resize(Forward::kBufs);
   empty_ = alloc(64);
-  upload_matrix(w.embed);
-  if (w.lm_head.rows) upload_matrix(w.lm_head);
-  upload_vec(w.final_norm);
+  if (upload) upload_matrix(w.embed);
+  if (upload && w.lm_head.rows) upload_matrix(w.lm_head);
+  if (upload) upload_vec(w.final_norm);
   const int C = d.conv_dim(), K = d.conv_k;
   for (int l = 0; l < d.n_layers(); ++l) {
     const LayerWeights& L = w.layers[l];
     for (const QMatrix* m : L.matrices())
-      if (m->rows) upload_matrix(*m);
+      if (upload && m->rows) upload_matrix(*m);
     for (const std::vector<float>* v : {&L.in_norm, &L.post_norm, &L.q_norm, &L.k_norm, &L.gnorm,
                                         &L.neg_exp_a, &L.dt_bias})
-      if (!v->empty()) upload_vec(*v);
+      if (upload && !v->empty()) upload_vec(*v);
     if (d.is_attn[l]) {
       KVLayer kl;
       const size_t vals = size_t(num_pages_) * page_floats();
@@ -58,26 +68,36 @@ GpuBackend::GpuBackend(std::unique_ptr<gpu::Device> dev, const ModelDims& d,
       g.S = alloc(sizeof(float) * d.hv * d.dk * d.dv);
       g.window = alloc(sizeof(float) * (K - 1) * C);
       g.window_next = alloc(sizeof(float) * (K - 1) * C);
-      std::vector<float> cw(size_t(K) * C);  // HF [C][1][K] -> the kernel's [K][C]
-      for (int c = 0; c < C; ++c)
-        for (int t = 0; t < K; ++t) cw[size_t(t) * C + c] = L.conv_w[size_t(c) * K + t];
-      put(&g.conv_w, cw.data(), cw.size() * 4);
+      if (upload) {
+        std::vector<float> cw(size_t(K) * C);  // HF [C][1][K] -> the kernel's [K][C]
+        for (int c = 0; c < C; ++c)
+          for (int t = 0; t < K; ++t) cw[size_t(t) * C + c] = L.conv_w[size_t(c) * K + t];
+        put(&shared_->conv_w.emplace_back(), cw.data(), cw.size() * 4);
+      }
       gdn_.push_back(std::move(g));
     }
   }
 }
 
+GpuBackend::Shared::~Shared() {
+  auto rel = [&](gpu::Buffer& b) {
+    if (b.handle) dev->release(b);
+  };
+  for (auto& [k, m] : mats) rel(m.w), rel(m.scale);
+  for (auto& [k, b] : vecs) rel(b);
+  for (auto& b : conv_w) rel(b);
+}
+
 GpuBackend::~GpuBackend() {
+  std::lock_guard<std::recursive_mutex> hold(shared_->lock);  // a sibling may run meanwhile
   auto rel = [&](gpu::Buffer& b) {
     if (b.handle) dev_->release(b);
   };
-  for (auto& [k, m] : mats_) rel(m.w), rel(m.scale);
-  for (auto& [k, b] : vecs_) rel(b);
   for (auto& b : scratch_) rel(b);
   for (auto& l : kv_)
     for (gpu::Buffer* b : {&l.k, &l.v, &l.ks, &l.vs, &l.tk, &l.tv}) rel(*b);
   for (auto& g : gdn_)
-    for (gpu::Buffer* b : {&g.S, &g.window, &g.window_next, &g.conv_w, &g.x, &g.node_state}) rel(*b);
+    for (gpu::Buffer* b : {&g.S, &g.window, &g.window_next, &g.x, &g.node_state}) rel(*b);
   for (gpu::Buffer* b : {&tokens_, &parents_, &anc_, &row_len_, &path_, &ident_, &table_buf_, &xq_,
                          &xs_, &part_, &kt8_, &kts_, &vt8_, &vts_, &gq_, &gk_, &gv_, &tmp_, &empty_})
     rel(*b);
@@ -118,31 +138,38 @@ void GpuBackend::upload(Act dst, const float* src, size_t n) {
   std::memcpy(dst.p, src, n * sizeof(float));
 }
 
+void GpuBackend::copy(Act dst, Act src, size_t n) {
+  // gather_rows of one row of n floats at index 0 (empty_ is zero-filled)
+  SW_CHECK(n <= size_t(INT32_MAX), "copy of ", n, " floats");
+  if (n) gather(arg(src), empty_, 1, int(n), arg(dst));
+}
+
 void GpuBackend::download(Act src, size_t n, float* dst) {
   sync();
   std::memcpy(dst, src.p, n * sizeof(float));
 }
 
 const GpuBackend::Mat& GpuBackend::mat(const QMatrix* m) const {
-  auto it = mats_.find(m);
-  SW_CHECK(it != mats_.end(), "matrix not uploaded to the ", name_, " backend");
+  auto it = shared_->mats.find(m);
+  SW_CHECK(it != shared_->mats.end(), "matrix not uploaded to the ", name_, " backend");
   return it->second;
 }
 
 const gpu::Buffer& GpuBackend::vec(const std::vector<float>& v) const {
-  auto it = vecs_.find(&v);
-  SW_CHECK(it != vecs_.end(), "vector not uploaded to the ", name_, " backend");
+  auto it = shared_->vecs.find(&v);
+  SW_CHECK(it != shared_->vecs.end(), "vector not uploaded to the ", name_, " backend");
   return it->second;
 }
 
-void GpuBackend::upload_vec(const std::vector<float>& v) { put(&vecs_[&v], v.data(), v.size() * 4); }
+void GpuBackend::upload_vec(const std::vector<float>& v) { put(&shared_->vecs[&v], v.data(), v.size() * 4); }
 
 void GpuBackend::add_weights(const std::vector<const QMatrix*>& mats,
                              const std::vector<const std::vector<float>*>& vecs) {
+  std::lock_guard<std::recursive_mutex> hold(shared_->lock);  // the siblings' weights too
   for (const QMatrix* m : mats)
-    if (m->rows && !mats_.count(m)) upload_matrix(*m);
+    if (m->rows && !shared_->mats.count(m)) upload_matrix(*m);
   for (const std::vector<float>* v : vecs)
-    if (!v->empty() && !vecs_.count(v)) upload_vec(*v);
+    if (!v->empty() && !shared_->vecs.count(v)) upload_vec(*v);
 }
 
 void GpuBackend::upload_matrix(const QMatrix& m) {
@@ -175,7 +202,7 @@ void GpuBackend::upload_matrix(const QMatrix& m) {
       put(&g.scale, m.scale.data(), m.scale.size() * 4);
       break;
   }
-  mats_[&m] = std::move(g);
+  shared_->mats[&m] = std::move(g);
 }
 
 size_t GpuBackend::page_floats() const {

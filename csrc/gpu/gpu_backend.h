@@ -8,9 +8,14 @@
 // commit's tape); per GDN layer the state S [hv][dk][dv], the conv window [K-1][C], the rows'
 // pre-conv inputs and every tree node's state (commit selects the leaf's, so nothing stays
 // pending; a prefill chunk keeps only its last state).
+//
+// Siblings (new_sequence) share the device, its one queue and the weights uploaded to it; each
+// has its own state and scratch. A forest forward's dispatches, whichever sibling encodes them,
+// go to the one queue in program order; engine calls over siblings take device_lock().
 #pragma once
 #include <map>
 #include <memory>
+#include <mutex>
 
 #include "../../metal/sw_plan.h"
 #include "../backend.h"
@@ -25,10 +30,14 @@ class GpuBackend final : public Backend {
   ~GpuBackend() override;
   std::string name() const override { return name_; }
   void set_threads(int) override {}
+  std::unique_ptr<Backend> new_sequence(int max_context, int threads) const override;
+  std::recursive_mutex* device_lock() const override { return &shared_->lock; }
+  void begin_forward() override { ++forward_; }
 
   Act scratch(int id, size_t n) override;
   void upload(Act dst, const float* src, size_t n) override;
   void download(Act src, size_t n, float* dst) override;
+  void copy(Act dst, Act src, size_t n) override;
 
   void embed(const QMatrix& table, const int* tokens, int n, Act x) override;
   void rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) override;
@@ -77,9 +86,23 @@ class GpuBackend final : public Backend {
     gpu::Buffer tk, tv;        // this forward's rows, fp32 [n][Hkv][D]
   };
   struct GDNState {
-    gpu::Buffer S, window, window_next, conv_w, x, node_state;
+    gpu::Buffer S, window, window_next, x, node_state;
     std::vector<float> saved_S, saved_window;  // save_gdn()
   };
+
+  // What siblings share: the device (its queue), the weights uploaded to it, and the lock.
+  struct Shared {
+    explicit Shared(std::unique_ptr<gpu::Device> d) : dev(std::move(d)) {}
+    ~Shared();
+    std::unique_ptr<gpu::Device> dev;
+    std::map<const void*, Mat> mats;
+    std::map<const void*, gpu::Buffer> vecs;
+    std::vector<gpu::Buffer> conv_w;  // per GDN layer, the kernel's [K][C]
+    std::recursive_mutex lock;
+  };
+  // upload: the weights go to the device (a first sequence); else they are there (a sibling's)
+  GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const ModelWeights& w,
+             KVDtype kv, int max_context, int page_size, bool upload);
 
   gpu::Buffer alloc(size_t bytes);
   // buffer *b with room for `bytes` (reallocated, contents dropped, when smaller)
@@ -93,7 +116,7 @@ class GpuBackend final : public Backend {
   void upload_matrix(const QMatrix& m);
   void upload_vec(const std::vector<float>& v);
   // the rows [0, n) of src ([*][width] floats) at positions idx into dst
-  void gather(const gpu::Buffer& src, const gpu::Buffer& idx, int n, int width, const gpu::Buffer& dst);
+  void gather(const gpu::Arg& src, const gpu::Buffer& idx, int n, int width, const gpu::Arg& dst);
   void quantize_kv(const gpu::Buffer& x, int n, int pos0, const gpu::Buffer& q, const gpu::Buffer& s,
                    bool paged);
   // this forward's parents, identity, ancestor table and row lengths, once a forward
@@ -103,12 +126,13 @@ class GpuBackend final : public Backend {
   void gdn_commit_path(GDNState& g, const gpu::Buffer& path, int path_len, bool last_in_slot0);
   size_t page_floats() const;  // K (or V) values of one page of one layer
 
-  std::unique_ptr<gpu::Device> dev_;
+  std::shared_ptr<Shared> shared_;
+  gpu::Device* dev_;  // shared_'s
   std::string name_;
   const ModelDims& d_;
+  const ModelWeights& w_;
+  KVDtype kv_dtype_;
   int page_size_, num_pages_;
-  std::map<const void*, Mat> mats_;
-  std::map<const void*, gpu::Buffer> vecs_;
   std::vector<gpu::Buffer> scratch_;
   std::vector<KVLayer> kv_;
   std::vector<GDNState> gdn_;

@@ -54,10 +54,10 @@ void GpuBackend::quantize_kv(const gpu::Buffer& x, int n, int pos0, const gpu::B
       grid(n, d_.n_kv_heads, d_.head_dim));
 }
 
-void GpuBackend::gather(const gpu::Buffer& src, const gpu::Buffer& idx, int n, int width,
-                          const gpu::Buffer& dst) {
+void GpuBackend::gather(const gpu::Arg& src, const gpu::Buffer& idx, int n, int width,
+                        const gpu::Arg& dst) {
   const SwEltParams p{n, 0, width, 0};
-  run("gather_rows", {buf(src), buf(idx), buf(dst), val(p)},
+  run("gather_rows", {src, buf(idx), dst, val(p)},
       grid(uint32_t((size_t(n) * width + 255) / 256), 1, 256));
 }
 
@@ -122,7 +122,7 @@ void GpuBackend::gdn(int gi, Act qkv, Act decay, Act beta, const BatchLayout& la
   plan(lay);
   // the rows' inputs stay for commit's window; qkv is scratch that the next layer reuses
   ensure(&g.x, sizeof(float) * n * C);
-  gather(*static_cast<const gpu::Buffer*>(qkv.buf), ident_, n, C, g.x);
+  gather(arg(qkv), ident_, n, C, buf(g.x));
   ensure(&gq_, sizeof(float) * n * hk * dk), ensure(&gk_, sizeof(float) * n * hk * dk);
   ensure(&gv_, sizeof(float) * n * hv * dv);
   // a tree keeps every node's state (commit selects the leaf's); a prefill chunk, committed as
@@ -131,7 +131,7 @@ void GpuBackend::gdn(int gi, Act qkv, Act decay, Act beta, const BatchLayout& la
   ensure(&g.node_state, sizeof(float) * slots * hv * dk * dv);
   const SwGDNParams p{n, hk, hv, dk, dv, d_.conv_k, d_.tiled ? 0 : 1, 0, 0, 0, 0,
                       1.0f / std::sqrt(float(dk)), lay.prefill ? 1 : 0};
-  run("gdn_conv", {buf(g.x), buf(parents_), buf(g.window), buf(g.conv_w), buf(gq_), buf(gk_), buf(gv_), val(p)},
+  run("gdn_conv", {buf(g.x), buf(parents_), buf(g.window), buf(shared_->conv_w[gi]), buf(gq_), buf(gk_), buf(gv_), val(p)},
       grid(n, 2 * hk + hv, 32));
   run("gdn_recur",
       {buf(g.S), buf(empty_), buf(empty_), buf(empty_), buf(empty_), buf(gq_), buf(gk_), buf(gv_), arg(decay),
@@ -160,9 +160,9 @@ void GpuBackend::commit(int P, const std::vector<int>& path) {
   put(&path_, path.data(), size_t(m) * 4);
   for (KVLayer& L : kv_) {
     ensure(&tmp_, sizeof(float) * m * row);
-    gather(L.tk, path_, m, row, tmp_);
+    gather(buf(L.tk), path_, m, row, buf(tmp_));
     quantize_kv(tmp_, m, P, L.k, L.ks, true);
-    gather(L.tv, path_, m, row, tmp_);
+    gather(buf(L.tv), path_, m, row, buf(tmp_));
     quantize_kv(tmp_, m, P, L.v, L.vs, true);
   }
   for (GDNState& g : gdn_) gdn_commit_path(g, path_, m, false);

@@ -126,8 +126,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--parallel", type=int, default=1,
-                   help="slots: requests decoded at once (each slot holds its own copy of the "
-                        "weights today, see docs/server.md)")
+                   help="slots: requests decoded at once (one copy of the weights, a sequence "
+                        "state per slot; see docs/server.md)")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--cache-mb", type=float, default=256,
                    help="byte budget of the turn-end snapshots that let a chat's next turn skip "

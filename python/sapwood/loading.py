@@ -272,6 +272,7 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     if ck.mtp_weights is not None and ck.config.mtp_layers == 1:
         model.mtp = _core.MtpHead(engine, ck.mtp_weights, weights, kv, max_context,
                                   0 if threads is None else threads, backend)
+        model._mtp_tensors = ck.mtp_weights  # one layer: Model.new_sequence builds its head
     elif ck.mtp_weights is not None:  # vLLM cycles deeper heads by draft row; not done here
         model.mtp_unsupported = (f"{MTP_CONFIG_KEY}={ck.config.mtp_layers}: sapwood runs MTP "
                                  "heads of one layer")

@@ -42,6 +42,31 @@ class Model:
         self._busy = threading.Lock()
         self._busy_thread = None
 
+    def new_sequence(self, *, threads=None) -> "Model":
+        """Another Model of these weights with its own sequence state: its engine shares this
+        one's weights (one copy, on a GPU backend the same device buffers; `engine.memory()`
+        counts them for each), its attached draft model is the draft's own new_sequence(), and
+        an MTP head gets a head of its own. Outputs are the bits a separately loaded Model
+        gives. The two run requests side by side (one each at a time), and their verify rounds
+        can share one forward (`sapwood._core.verify_many`). threads: the engine's worker
+        threads (None: this engine's)."""
+        from . import _core
+
+        eng = self.engine.new_sequence(threads=0 if threads is None else int(threads))
+        m = Model(eng, self.tokenizer, self.config, self.generation_config, self.chat_template,
+                  self.path, weights=self.weights, kv=self.kv, backend=self.backend,
+                  max_context=self.max_context)
+        m.policy_cache = self.policy_cache
+        m.mtp_unsupported = self.mtp_unsupported
+        if self.draft is not None:
+            m.draft = self.draft.new_sequence(threads=threads)
+        tensors = getattr(self, "_mtp_tensors", None)
+        if self.mtp is not None and tensors is not None:
+            m.mtp = _core.MtpHead(eng, tensors, self.weights, self.kv, self.max_context,
+                                  eng.threads, self.backend)
+            m._mtp_tensors = tensors
+        return m
+
     def _claim(self) -> None:
         """Take this model for one request, or raise if a request is running on it."""
         if self._busy.acquire(blocking=False):

@@ -45,7 +45,9 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
-    else prompt lookup), "mtp", "lookup", "default" or a draft checkpoint directory. loader(i) -> Model replaces sapwood.load for slot i (tests).
+    else prompt lookup), "mtp", "lookup", "default" or a draft checkpoint directory. Slot 0 loads
+    the model; the others are its new_sequence()s (one copy of the weights, and of the draft
+    model's). loader(i) -> Model replaces that for slot i (tests).
     """
     import sapwood
 
@@ -56,14 +58,17 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue={max_queue!r}: must be an int >= 0")
     n_threads = _slot_threads(threads, parallel)
-    if loader is None:
-        def loader(i):
-            return sapwood.load(model, weights=weights, kv=kv, backend=backend,
-                                threads=n_threads, max_context=max_context)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
+    base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
 
     def make_slot(i, on_done):
-        m = loader(i)
+        if loader is not None:
+            m = loader(i)
+        elif base:  # one copy of the weights for every slot, each its own sequence state
+            m = base[0][0].new_sequence()
+        else:
+            m = sapwood.load(model, weights=weights, kv=kv, backend=backend, threads=n_threads,
+                             max_context=max_context)
         if m.tokenizer is None:
             raise ValueError(f"{m.path}: no tokenizer.json; the server needs a tokenizer")
         if not m.chat_template:
@@ -72,7 +77,12 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
         if drafter == "mtp":
             m.resolve_drafter("mtp")  # a checkpoint without a head fails here, at start
         elif drafter not in (None, "lookup"):
-            draft = m.resolve_drafter(drafter).model  # loads the draft checkpoint for this slot
+            if base and loader is None and base[0][1] is not None:
+                draft = base[0][1].new_sequence()
+            else:  # loads the draft checkpoint
+                draft = m.resolve_drafter(drafter).model
+        if not base:
+            base.append((m, draft))
         if drafter in ("lookup", "mtp"):
             default = drafter
         else:  # as Model.resolve_drafter(None): the draft model, else the MTP head, else lookup

@@ -1,12 +1,10 @@
-"""Slots: N engines serving requests side by side, a FIFO scheduler, and turn-end snapshots.
+"""Slots: N sequences of one model serving requests side by side, a FIFO scheduler, and
+turn-end snapshots.
 
-What exists today is one sequence per engine, so a slot is a whole `Model` of its own (its
-engine, its own copy of the weights, its draft model's): `--parallel N` holds N copies. The
-design's slots share one copy of the weights and verify the rows of all active sequences in
-one forward (a forest of trees, the weights read once per round); that needs the C++ forward
-to take several sequences' KV pages and GDN states in one call, behind the backend seam, and
-is not built yet. What does hold already is what the server promises: each slot is entered
-by its own worker thread only, so a request's output is the one it would get served alone.
+A slot is a `Model` of its own sequence state: slot 0's is loaded, the others are its
+`new_sequence()`s, so `--parallel N` holds one copy of the weights (and of the draft model's).
+Each slot is entered by its own worker thread only, so a request's output is the one it would
+get served alone.
 
 A request's choices are jobs. Jobs wait in one FIFO queue; a free slot takes the head job
 (the slot that holds a snapshot the job can resume from, if that one is free, else the first
@@ -195,7 +193,7 @@ def _snapshot_bytes(engine) -> int:
 
 
 class Slot:
-    """One engine (a whole Model) and the worker thread that alone enters it."""
+    """One sequence (a Model sharing the weights) and the worker thread that alone enters it."""
 
     def __init__(self, index: int, model, draft_model, default_drafter: str, cache: SnapshotCache,
                  on_done):
