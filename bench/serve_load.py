@@ -17,8 +17,11 @@ for whichever of them is descheduled.
 The reuse saving: a conversation of two turns whose first prompt is --turn-tokens long, the
 second turn sent to a server with the snapshot cache and to one without (--cache-mb 0),
 alternating ABBA; reported: the second turn's time to first token and its prefilled tokens.
-Memory: the engines' own count of their weights (every slot holds its own copy today,
-docs/server.md).
+Memory: the engines' own count of their weights, once per copy (the slots are new_sequence()s
+of slot 0's model and share its weights, docs/server.md).
+
+--batch: whether the decoding slots' verify rounds run in one forward (server.build's
+batch_verify); "both" runs each slot count off, on, on, off (ABBA) and reports every run.
 """
 from __future__ import annotations
 
@@ -64,11 +67,16 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def run_load(a, slots, bodies, want):
+def run_load(a, slots, bodies, want, batch=True):
     st = server.build(a.model, parallel=slots, max_context=a.max_context, cache_mb=0,
                       max_queue=max(64, a.requests), model_id="bench", threads=a.threads,
-                      drafter=a.drafter)
-    weights = sum(m.engine.memory()["weights_bytes"] for m in _slot_models(st)) / 2 ** 20
+                      drafter=a.drafter, batch_verify=batch)
+    copies = []  # one model per copy of weights
+    for m in _slot_models(st):
+        if not any(m.engine.shares_weights(c.engine) for c in copies):
+            copies.append(m)
+    weights = sum(m.engine.memory()["weights_bytes"] for m in copies) / 2 ** 20
+    batcher = st.scheduler.slots[0].batcher
     live = server.start(st)
     deadline = time.monotonic() + a.time_limit
     try:
@@ -95,7 +103,9 @@ def run_load(a, slots, bodies, want):
                 tokens=tokens, tokens_per_s=tokens / wall,
                 latency_s={q: pct(lat, q) for q in (50, 90, 99)},
                 ttft_s={q: pct(ttft, q) for q in (50, 90, 99)},
-                mismatches=bad, weights_mb=weights)
+                mismatches=bad, weights_mb=weights, batch=batcher is not None,
+                trees_per_forward=(batcher.sequences / batcher.forwards
+                                   if batcher is not None and batcher.forwards else None))
 
 
 def _slot_models(st):
@@ -159,6 +169,8 @@ def main(argv=None) -> int:
                     help="engine threads per slot (0: the engine's default, every core, per slot)")
     ap.add_argument("--turn-tokens", type=int, default=1024)
     ap.add_argument("--turn-reps", type=int, default=2, help="ABBA blocks of the reuse test")
+    ap.add_argument("--batch", choices=("on", "off", "both"), default="on",
+                    help="verify rounds of the slots in one forward (both: ABBA per slot count)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not (1 <= a.clients <= 64 and 1 <= a.requests <= 1000 and 0 < a.time_limit <= 1800):
@@ -179,18 +191,21 @@ def main(argv=None) -> int:
                                              verify="off").tokens
     want = [solo[b["prompt"]] for b in bodies]
     del ref
-    print(f"{'slots':>5} {'req':>4} {'tok/s':>7} {'lat p50':>8} {'p90':>7} {'p99':>7} "
-          f"{'ttft p50':>9} {'p90':>7} {'weights MB':>10}")
+    print(f"{'slots':>5} {'batch':>5} {'req':>4} {'tok/s':>7} {'lat p50':>8} {'p90':>7} {'p99':>7} "
+          f"{'ttft p50':>9} {'p90':>7} {'weights MB':>10} {'trees/fwd':>9}")
     results = []
+    arms = {"on": [True], "off": [False], "both": [False, True, True, False]}[a.batch]
     for slots in a.slots:
-        r = run_load(a, slots, bodies, want)
-        results.append(r)
-        print(f"{slots:>5} {r['requests']:>4} {r['tokens_per_s']:>7.1f} "
-              f"{r['latency_s'][50] * 1e3:>6.0f}ms {r['latency_s'][90] * 1e3:>5.0f}ms "
-              f"{r['latency_s'][99] * 1e3:>5.0f}ms {r['ttft_s'][50] * 1e3:>7.0f}ms "
-              f"{r['ttft_s'][90] * 1e3:>5.0f}ms {r['weights_mb']:>10.1f}"
-              + (f"  ({r['skipped']} not sent: time limit)" if r["skipped"] else "")
-              + (f"  MISMATCH in {r['mismatches']}" if r["mismatches"] else ""))
+        for batch in (arms if slots > 1 else [False]):
+            r = run_load(a, slots, bodies, want, batch)
+            results.append(r)
+            tpf = f"{r['trees_per_forward']:>9.2f}" if r["trees_per_forward"] else f"{'-':>9}"
+            print(f"{slots:>5} {'on' if r['batch'] else 'off':>5} {r['requests']:>4} {r['tokens_per_s']:>7.1f} "
+                  f"{r['latency_s'][50] * 1e3:>6.0f}ms {r['latency_s'][90] * 1e3:>5.0f}ms "
+                  f"{r['latency_s'][99] * 1e3:>5.0f}ms {r['ttft_s'][50] * 1e3:>7.0f}ms "
+                  f"{r['ttft_s'][90] * 1e3:>5.0f}ms {r['weights_mb']:>10.1f} {tpf}"
+                  + (f"  ({r['skipped']} not sent: time limit)" if r["skipped"] else "")
+                  + (f"  MISMATCH in {r['mismatches']}" if r["mismatches"] else ""))
     reuse = reuse_saving(a, cohort)
     print(f"\nsecond chat turn ({reuse['reuse']['prompt_tokens']}-token prompt, first turn "
           f"{a.turn_tokens} tokens + 32 generated), median of {2 * a.turn_reps} (ABBA):")

@@ -167,3 +167,72 @@ def test_model_new_sequence_generates_a_separate_models_tokens(tmp_path):
             assert sib.generate(prompt, max_tokens=24, drafter=drafter, **kw).tokens == want
             assert model.generate(prompt, max_tokens=24, drafter=drafter, **kw).tokens == want
 
+
+def _hand_in(batcher, jobs):
+    """Each (engine, tokens, parents) verified through `batcher` on its own thread, all of them
+    decoding; the results (or exceptions) in order."""
+    import threading
+
+    out = [None] * len(jobs)
+
+    def run(i, e, t, p):
+        try:
+            out[i] = batcher.verify(e, t, p)
+        except Exception as x:  # noqa: BLE001 - checked by the caller
+            out[i] = x
+        finally:
+            batcher.leave()
+
+    for _ in jobs:
+        batcher.enter()
+    threads = [threading.Thread(target=run, args=(i, *j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_batcher_runs_the_decoding_slots_verifies_in_one_forward(ckpt):
+    from sapwood.server.batching import VerifyBatcher
+
+    rng = np.random.default_rng(6)
+    lead = engine(ckpt, "cpu")
+    seqs = [lead, lead.new_sequence(), lead.new_sequence()]
+    solo = [engine(ckpt, "cpu") for _ in seqs]
+    for e, s, n in zip(seqs, solo, (3, 11, 6)):
+        h = [int(t) for t in rng.integers(0, 256, n)]
+        e.prefill(h), s.prefill(h)
+    trees = [tree(rng, p) for p in (random_tree(8, 7), chain(3), [-1])]
+    # a long wait: the batch runs when the third tree is in, one forward for all three
+    batcher = VerifyBatcher(wait_s=30)
+    got = _hand_in(batcher, [(e, *t) for e, t in zip(seqs, trees)])
+    assert (batcher.forwards, batcher.sequences) == (1, 3)
+    for g, s, t in zip(got, solo, trees):
+        assert np.array_equal(g, s.verify(*t))
+    # a bad tree fails its own sequence only; engines of two models are verified one by one
+    other = engine(ckpt, "cpu")
+    other.prefill([1, 2])
+    got = _hand_in(VerifyBatcher(wait_s=30), [(seqs[0], *trees[0]), (seqs[1], [999], [-1]),
+                                              (other, [4, 5], [-1, 0])])
+    assert np.array_equal(got[0], solo[0].verify(*trees[0]))
+    assert isinstance(got[1], ValueError) and "999" in str(got[1])
+    ref = engine(ckpt, "cpu")
+    ref.prefill([1, 2])
+    assert np.array_equal(got[2], ref.verify([4, 5], [-1, 0]))
+
+
+def test_batcher_does_not_wait_past_its_wait_for_a_slot_that_hands_nothing(ckpt):
+    from sapwood.server.batching import VerifyBatcher
+
+    e = engine(ckpt, "cpu")
+    e.prefill([3, 4])
+    batcher = VerifyBatcher(wait_s=0.05)
+    batcher.enter()  # a second decoding slot that never verifies
+    got = _hand_in(batcher, [(e, [5], [-1])])
+    ref = engine(ckpt, "cpu")
+    ref.prefill([3, 4])
+    assert np.array_equal(got[0], ref.verify([5], [-1]))
+    assert (batcher.forwards, batcher.sequences) == (1, 1)
+    with pytest.raises(ValueError, match="wait_s"):
+        VerifyBatcher(wait_s=-1)

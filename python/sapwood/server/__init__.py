@@ -24,6 +24,7 @@ def _require_extra() -> None:
 _require_extra()
 
 from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
+from .batching import VerifyBatcher  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
 from .text import token_bytes_table  # noqa: E402
 
@@ -41,13 +42,14 @@ def _slot_threads(threads, parallel: int):
 def build(model="default", *, drafter=None, parallel: int = 1, max_context: int = 4096,
           cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
           backend: str = "cpu", threads=None, model_id: str | None = None,
-          loader=None) -> ServerState:
+          loader=None, batch_verify: bool = True) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
     else prompt lookup), "mtp", "lookup", "default" or a draft checkpoint directory. Slot 0 loads
     the model; the others are its new_sequence()s (one copy of the weights, and of the draft
     model's). loader(i) -> Model replaces that for slot i (tests).
+    batch_verify: the decoding slots' verify rounds run in one forward (batching.py).
     """
     import sapwood
 
@@ -60,6 +62,7 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     n_threads = _slot_threads(threads, parallel)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
     base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
+    batcher = VerifyBatcher() if batch_verify and parallel > 1 else None
 
     def make_slot(i, on_done):
         if loader is not None:
@@ -87,7 +90,7 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
             default = drafter
         else:  # as Model.resolve_drafter(None): the draft model, else the MTP head, else lookup
             default = "model" if draft is not None else "mtp" if m.mtp is not None else "lookup"
-        return Slot(i, m, draft, default, cache, on_done)
+        return Slot(i, m, draft, default, cache, on_done, batcher)
 
     done = []
     scheduler = Scheduler(make_slot, parallel, cache, max_queue,

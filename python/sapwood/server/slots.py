@@ -98,21 +98,34 @@ class _Recorder:
     (pick i of a round comes from the row of path node i, DESIGN.md's walk). Rows are kept by
     reference until their token is emitted."""
 
-    def __init__(self, engine, keep: bool):
-        self._engine, self._keep = engine, keep
+    def __init__(self, engine, keep: bool, batcher=None):
+        self._engine, self._keep, self._batcher = engine, keep, batcher
         self._last = None
         self.rows: deque = deque()
+        self.decoding = False  # between first() and the job's end: its verifies are batched
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def verify(self, tokens, parents):
-        self._last = self._engine.verify(tokens, parents)
+        if self.decoding:
+            self._last = self._batcher.verify(self._engine, tokens, parents)
+        else:
+            self._last = self._engine.verify(tokens, parents)
         return self._last
 
     def first(self, logits) -> None:
+        """The prompt is in: the decode loop starts."""
         if self._keep:
             self.rows.append(logits)
+        if self._batcher is not None and not self.decoding:
+            self._batcher.enter()
+            self.decoding = True
+
+    def done(self) -> None:
+        if self.decoding:
+            self.decoding = False
+            self._batcher.leave()
 
     def on_round(self, tree, path, seconds) -> None:
         if self._keep:
@@ -196,8 +209,9 @@ class Slot:
     """One sequence (a Model sharing the weights) and the worker thread that alone enters it."""
 
     def __init__(self, index: int, model, draft_model, default_drafter: str, cache: SnapshotCache,
-                 on_done):
+                 on_done, batcher=None):
         self.index, self.model, self.draft_model = index, model, draft_model
+        self.batcher = batcher  # batching.VerifyBatcher shared by the slots, or None
         self.default_drafter = default_drafter  # "model", "mtp" or "lookup"
         self.cache, self._on_done = cache, on_done
         self._jobs: queues.Queue = queues.Queue(maxsize=1)
@@ -287,7 +301,14 @@ class Slot:
                            width=job.width, stop_ids=model.eos_ids()).validate()
         drafter = None if cfg.verify == "off" else self._drafter(job.drafter)
         model.engine.reset()
-        rec = _Recorder(model.engine, keep=job.logprobs is not None)
+        rec = _Recorder(model.engine, keep=job.logprobs is not None, batcher=self.batcher)
+        try:
+            return self._decode(job, cfg, drafter, rec)
+        finally:
+            rec.done()
+
+    def _decode(self, job, cfg, drafter, rec) -> ChoiceResult:
+        model = self.model
         dec = Decoder(rec, drafter, cfg, policy=model.speculation_policy(drafter),
                       on_round=rec.on_round)
         info: dict = {}
