@@ -109,3 +109,16 @@ python bench/replay_width.py record --threads 1 --model default --depths --cohor
 python bench/replay_width.py record --threads 1 --model default --depths 1 2048 8192 --out $Z/replay_depths_unpadded.json
 python bench/replay_suite.py --quiet | tee $Z/replay_suite.txt
 python bench/replay_suite.py --quiet --old cb6175b | tee $Z/replay_suite_old_cb6175b.txt
+# Issue 39, stop 41: recordings on a 2-core Xeon with AVX-512 and AMX (engine on one thread; the
+# bundled pair with 25 repetitions per timing), and the suite over three hosts, 5 exploration
+# seeds, the policy before the host's level and after it
+X=bench/results/xeon_amx
+mkdir -p $X/padded
+python bench/replay_width.py record --threads 1 --reps 25 --model default --depths 1 2048 8192 --out $X/replay_depths_unpadded.json
+python bench/replay_width.py record --threads 1 --model /tmp/padded --depths 1 2048 8192 --out $X/padded/replay_depths.json
+python bench/replay_width.py record --threads 1 --reps 25 --model default --depths --cohort 13 --max-tokens 128 --out $X/replay_cohort_unpadded.json
+python bench/replay_width.py record --threads 1 --model /tmp/padded --depths --cohort 13 --out $X/padded/replay_cohort.json
+python bench/replay_width.py record --threads 1 --reps 25 --model default --depths 32768 --out $X/replay_depth32k_unpadded.json
+python bench/replay_width.py record --threads 1 --model /tmp/padded --depths 32768 --out $X/padded/replay_depth32k.json
+python bench/replay_suite.py --quiet --seeds 5 --table --old be85a1f~1 | tee $X/replay_suite_seeds5_old.txt
+python bench/replay_suite.py --quiet --seeds 5 --table | tee $X/replay_suite_seeds5.txt
