@@ -58,12 +58,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def abba(arms: dict, blocks: int, isas: list[str], extra=None) -> dict:
+def abba(arms: dict, blocks: int, isas: list[str], extra=None, warm=True) -> dict:
     """{(isa, arm): [seconds per block]}: each block times every arm once under every ISA,
     the order reversed on odd blocks; extra(block) runs once per block first (bandwidth)."""
     keys = [(i, a) for a in arms for i in isas]
     out = {k: [] for k in keys}
-    for isa in isas:  # warm-up under each variant, not timed
+    for isa in isas if warm else []:  # warm-up under each variant, not timed
         _core.set_isa(isa)
         for f in arms.values():
             f()
@@ -156,7 +156,9 @@ def bench_prefill(eng, shape, n: int, isas, reps: int, rng) -> dict:
     def run():
         eng.reset()
         eng.prefill(prompt)
-    t = abba({"prefill": run}, reps, isas)
+    eng.reset()
+    eng.prefill(prompt[:64])  # warm-up: a short prompt (a long one's rows are its own warm-up)
+    t = abba({"prefill": run}, reps, isas, warm=False)
     return {isa: summ([n / x for x in t[(isa, "prefill")]]) for isa in isas}
 
 

@@ -1,0 +1,129 @@
+"""Two builds of sapwood's _core in one process, for kernel changes: q8/q4 matmuls of
+bench/realistic.py's shapes and the engine's verify(1) / verify(2) / verify(16) on its random
+0.65B checkpoint, timed in alternation (old new new old, then new old old new, ...), every
+output checked bitwise equal between the builds.
+
+    python bench/ab_cores.py OLD_CORE NEW_CORE [--isa amx avx512] [--blocks 8] [--no-engine]
+
+OLD_CORE / NEW_CORE: paths of built _core extension files (`_core.cpython-*.so`). Two pybind11
+modules that register the same types must not share pybind11's internals: build one of them
+with -DCMAKE_CXX_FLAGS=-DPYBIND11_INTERNALS_VERSION=99 (bench/ab_builds.py). Both share the
+machine's cores but not their thread pools: each build's helper spins on for a while into the
+other's turn, so read changes of a few percent as none.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realistic import SHAPE, random_weights  # noqa: E402
+
+MATRICES = {"up 3584x1024": (3584, 1024), "down 1024x3584": (1024, 3584),
+            "head 151936x1024": (151936, 1024)}
+
+
+def load_core(name: str, path: str):
+    """The extension at `path` as module `name` (its init function is PyInit__core); the module
+    already imported from that file if there is one (realistic.py imports sapwood._core: a
+    second initialisation of one file would register its types twice)."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__file__", None) and Path(mod.__file__).resolve() == Path(path).resolve():
+            return mod
+    loader = importlib.machinery.ExtensionFileLoader(f"{name}._core", path)
+    spec = importlib.util.spec_from_file_location(f"{name}._core", path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def alternate(arms: dict, blocks: int, calls: int) -> dict:
+    """{(build, arm): [seconds per call, one a block]}, old new new old / new old old new."""
+    out = {k: [] for k in arms}
+    for f in arms.values():
+        f()
+    names = sorted({b for b, _ in arms})
+    for blk in range(blocks):
+        for arm in sorted({a for _, a in arms}):
+            order = [names[0], names[1], names[1], names[0]]
+            for b in (order if blk % 2 == 0 else order[::-1]):
+                t = time.perf_counter()
+                for _ in range(calls):
+                    arms[(b, arm)]()
+                out[(b, arm)].append((time.perf_counter() - t) / calls)
+    return out
+
+
+def report(t: dict, label: str) -> list[str]:
+    lines = []
+    for arm in sorted({a for _, a in t}, key=str):
+        old, new = t[("old", arm)], t[("new", arm)]
+        # pairs of one block: the old's two samples against the new's two
+        r = [(old[2 * i] + old[2 * i + 1]) / (new[2 * i] + new[2 * i + 1]) for i in range(len(old) // 2)]
+        lines.append(f"{label} {arm}: old {1e3 * statistics.median(old):.3f} ms "
+                     f"new {1e3 * statistics.median(new):.3f} ms; old/new x{statistics.median(r):.3f} "
+                     f"[{min(r):.3f}, {max(r):.3f}] over {len(r)} blocks")
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old")
+    ap.add_argument("new")
+    ap.add_argument("--isa", nargs="+", default=None)
+    ap.add_argument("--weights", nargs="+", default=["q8"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 16])
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--no-engine", action="store_true")
+    a = ap.parse_args(argv)
+    cores = {"old": load_core("sapwood_old", a.old), "new": load_core("sapwood_new", a.new)}
+    isas = a.isa or [cores["new"].isa()]
+    rng = np.random.default_rng(0)
+    lines = [f"threads {cores['new'].get_num_threads()}"]
+    for isa in isas:
+        for c in cores.values():
+            c.set_isa(isa)
+        for fmt in a.weights:
+            for label, shape in MATRICES.items():
+                w = rng.standard_normal(shape).astype(np.float32)
+                mats = {b: c.WeightMatrix(w, fmt) for b, c in cores.items()}
+                arms = {}
+                for rows in a.rows:
+                    x = rng.standard_normal((rows, shape[1])).astype(np.float32)
+                    y = {b: m.matmul(x) for b, m in mats.items()}
+                    assert (y["old"] == y["new"]).all(), f"{label} rows {rows}: the builds differ"
+                    for b, m in mats.items():
+                        arms[(b, rows)] = (lambda m=m, x=x: m.matmul(x))
+                calls = 2 if shape[0] > 10000 else 10
+                lines += report(alternate(arms, a.blocks, calls), f"{isa} {fmt} {label} rows")
+                print("\n".join(lines[-len(a.rows):]), flush=True)
+            if a.no_engine:
+                continue
+            weights = random_weights()
+            engs = {b: c.Engine(SHAPE, weights, fmt, "int8", 256, 0) for b, c in cores.items()}
+            del weights
+            prompt = rng.integers(0, SHAPE["vocab_size"], 64)
+            toks = rng.integers(0, SHAPE["vocab_size"], 16)
+            tree = np.array([-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, 16)])
+            arms = {}
+            for b, e in engs.items():
+                e.prefill(prompt)
+                for n in a.rows:
+                    arms[(b, n)] = (lambda e=e, n=n: e.verify(toks[:n], tree[:n] if n > 2 else np.arange(n) - 1))
+            for n in a.rows:
+                lo, ln = arms[("old", n)](), arms[("new", n)]()
+                assert (lo == ln).all(), f"verify({n}): the builds differ"
+            lines += report(alternate(arms, a.blocks, 1), f"{isa} {fmt} engine verify")
+            print("\n".join(lines[-len(a.rows):]), flush=True)
+            del engs
+
+
+if __name__ == "__main__":
+    main()
