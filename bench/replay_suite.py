@@ -4,8 +4,9 @@ time, so two runs of one build print the same digits), one summary line each.
 
     python bench/replay_suite.py [--quiet] [--only NAME] [--old REV] [--table] [--seeds N]
 
-Recordings from two hosts: bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2 only; stops 29-31)
-and bench/results/zen4_vnni/ (a 2-core Zen 4 with AVX-512 VNNI, engine on one thread; issue 39).
+Recordings from three hosts: bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2 only; stops
+29-31), bench/results/zen4_vnni/ (a 2-core Zen 4 with AVX-512 VNNI) and bench/results/xeon_amx/
+(a 2-core Xeon with AVX-512 and AMX), the last two with the engine on one thread (issue 39).
 Costs are the recording host's, acceptance the bundled pair's. Each line: auto against the
 best of plain decoding, the chain and every fixed width 1-16, per context (warm: the mean of
 requests after the first; first: a fresh state's first request against the best arm's own
