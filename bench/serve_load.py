@@ -169,7 +169,7 @@ def main(argv=None) -> int:
                     help="engine threads per slot (0: the engine's default, every core, per slot)")
     ap.add_argument("--turn-tokens", type=int, default=1024)
     ap.add_argument("--turn-reps", type=int, default=2, help="ABBA blocks of the reuse test")
-    ap.add_argument("--batch", choices=("on", "off", "both"), default="on",
+    ap.add_argument("--batch", choices=("on", "off", "both"), default="off",
                     help="verify rounds of the slots in one forward (both: ABBA per slot count)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -236,3 +236,11 @@ def test_batcher_does_not_wait_past_its_wait_for_a_slot_that_hands_nothing(ckpt)
     assert (batcher.forwards, batcher.sequences) == (1, 1)
     with pytest.raises(ValueError, match="wait_s"):
         VerifyBatcher(wait_s=-1)
+    # adaptive: half the recent forwards' time, within bounds
+    b = VerifyBatcher()
+    lo, hi = VerifyBatcher.MIN_WAIT_S, VerifyBatcher.MAX_WAIT_S
+    assert lo <= b.wait() <= hi
+    b._forward_s = 0.03
+    assert b.wait() == pytest.approx(0.015)
+    b._forward_s = 10.0
+    assert b.wait() == hi

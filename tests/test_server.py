@@ -90,8 +90,10 @@ def root(tmp_path_factory):
 def live(root):
     # the target drafts for itself: long accepted paths and wide trees, so tokens and logprobs
     # come from deep rows of verified trees, not from root rows alone
+    # batch_verify: the slots' verify rounds share forwards; every output must still be its
+    # solo run's
     st = server.build(str(root / "target"), drafter=str(root / "target"), parallel=4,
-                      max_context=CONTEXT, cache_mb=64, model_id="tiny")
+                      max_context=CONTEXT, cache_mb=64, model_id="tiny", batch_verify=True)
     srv = Live(st)
     yield srv
     srv.close()

@@ -108,7 +108,8 @@ def cmd_serve(a) -> int:
 
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
-                      backend=a.backend, threads=a.threads, model_id=a.model_id)
+                      backend=a.backend, threads=a.threads, model_id=a.model_id,
+                      batch_verify=a.batch_verify)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication", file=sys.stderr)
@@ -128,6 +129,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=int, default=1,
                    help="slots: requests decoded at once (one copy of the weights, a sequence "
                         "state per slot; see docs/server.md)")
+    p.add_argument("--batch-verify", action="store_true",
+                   help="verify the decoding slots' trees in one forward (each weight read once "
+                        "for all of them; outputs unchanged; not faster on the CPU hosts measured "
+                        "so far, see docs/server.md)")
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--cache-mb", type=float, default=256,
                    help="byte budget of the turn-end snapshots that let a chat's next turn skip "

@@ -42,14 +42,15 @@ def _slot_threads(threads, parallel: int):
 def build(model="default", *, drafter=None, parallel: int = 1, max_context: int = 4096,
           cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
           backend: str = "cpu", threads=None, model_id: str | None = None,
-          loader=None, batch_verify: bool = True) -> ServerState:
+          loader=None, batch_verify: bool = False) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
     else prompt lookup), "mtp", "lookup", "default" or a draft checkpoint directory. Slot 0 loads
     the model; the others are its new_sequence()s (one copy of the weights, and of the draft
     model's). loader(i) -> Model replaces that for slot i (tests).
-    batch_verify: the decoding slots' verify rounds run in one forward (batching.py).
+    batch_verify: the decoding slots' verify rounds run in one forward (batching.py); off by
+    default: on the 2-core CPU hosts measured it did not raise tokens/s (docs/server.md).
     """
     import sapwood
 

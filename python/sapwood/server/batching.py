@@ -28,12 +28,18 @@ class VerifyBatcher:
     """Batches the verifies of the slots between enter() and leave() (their decode loops).
 
     wait_s: how long a handed-in tree waits for the other decoding slots' trees before its
-    batch runs without them (a slot may be drafting a long chain, or about to finish)."""
+    batch runs without them (a slot may be drafting a long chain, or about to finish). None:
+    half the recent forwards' time, within [MIN_WAIT_S, MAX_WAIT_S]: slots drift apart by
+    about their drafting time, which grows with the model as a forward does, and waiting half
+    a forward to read the weights once for two trees is worth it while weights dominate."""
 
-    def __init__(self, wait_s: float = 0.002):
-        if not wait_s >= 0:
-            raise ValueError(f"wait_s={wait_s!r}: must be >= 0")
-        self.wait_s = float(wait_s)
+    MIN_WAIT_S, MAX_WAIT_S = 0.0005, 0.05
+
+    def __init__(self, wait_s: float | None = None):
+        if wait_s is not None and not wait_s >= 0:
+            raise ValueError(f"wait_s={wait_s!r}: must be >= 0 (or None: adaptive)")
+        self.wait_s = None if wait_s is None else float(wait_s)
+        self._forward_s = 2 * self.MIN_WAIT_S  # moving average of the batches' forwards
         self._cv = threading.Condition()
         self._decoding = 0
         self._pending: list = []
@@ -54,7 +60,7 @@ class VerifyBatcher:
         me = _Ticket(engine, tokens, parents)
         with self._cv:
             self._pending.append(me)
-            deadline = time.monotonic() + self.wait_s
+            deadline = time.monotonic() + self.wait()
             while True:
                 if me.done:
                     return self._result(me)
@@ -69,6 +75,12 @@ class VerifyBatcher:
         self._run(batch)
         return self._result(me)
 
+    def wait(self) -> float:
+        """How long a tree handed in now waits for the others."""
+        if self.wait_s is not None:
+            return self.wait_s
+        return min(self.MAX_WAIT_S, max(self.MIN_WAIT_S, 0.5 * self._forward_s))
+
     @staticmethod
     def _result(t):
         if t.error is not None:
@@ -76,6 +88,7 @@ class VerifyBatcher:
         return t.out
 
     def _run(self, batch) -> None:
+        t0 = time.perf_counter()
         together = len(batch) > 1
         if together:
             try:
@@ -91,7 +104,9 @@ class VerifyBatcher:
                     t.out = t.engine.verify(t.tokens, t.parents)
                 except Exception as e:  # noqa: BLE001 - raised on its own slot's thread
                     t.error = e
+        seconds = time.perf_counter() - t0
         with self._cv:
+            self._forward_s += 0.2 * (seconds - self._forward_s)
             self.forwards += 1
             self.sequences += len(batch)
             for t in batch:
