@@ -2,7 +2,7 @@
 prompts, for every verify mode and drafter, greedy and at T=0.8.
 
     python bench/tokens_per_cycle.py [--max-tokens 64] [--out tokens_per_cycle.json]
-        [--arms off chain:mtp auto:mtp chain:default ...] [--prompts N] [--target DIR]
+        [--arms off chain:mtp auto:mtp chain:default ...] [--prompts N] [--target DIR] [--threads N]
 
 --target: another target (e.g. the padded testbed of scripts/pad_checkpoint.py) with the bundled
 draft model attached; default: the bundled pair. The host's load average is recorded per
@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--arms", nargs="+", default=None,
                     help="verify:drafter pairs (drafter: mtp, default, lookup), 'off' first")
     ap.add_argument("--prompts", type=int, default=None, help="the first N held-out prompts")
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's)")
     ap.add_argument("--target", default=None, help="target checkpoint directory (the bundled "
                     "draft is attached); default: the bundled pair")
     a = ap.parse_args()
@@ -45,11 +46,11 @@ def main():
     prompts = json.loads(Path(sapwood.__file__).with_name("benchmarks")
                          .joinpath("heldout_prompts.json").read_text())["prompts"][:a.prompts]
     if a.target is None:
-        m = sapwood.load("default", max_context=2048)
+        m = sapwood.load("default", max_context=2048, threads=a.threads)
     else:
         from sapwood.loading import default_draft_path
-        m = sapwood.load(a.target, max_context=2048)
-        m.draft = sapwood.load(default_draft_path(), max_context=2048)
+        m = sapwood.load(a.target, max_context=2048, threads=a.threads)
+        m.draft = sapwood.load(default_draft_path(), max_context=2048, threads=a.threads)
     out = {"revision": source_revision(), "model": model_identity(m), "machine": machine(),
            "max_tokens": a.max_tokens, "prompts": len(prompts), "rows": [], "loadavg": {}}
     for verify, drafter in ARMS:  # warm-up: first-request costs (page allocation, caches)
