@@ -18,7 +18,7 @@ from sapwood.testing import make_tiny_checkpoint
 
 from util import chain, path_to, random_tree, star
 
-BACKENDS = ["cpu"] + [b for b in ("metal-emulated",) if b in _core.available_backends()]
+BACKENDS = ["cpu"] + [b for b in ("metal-emulated", "sycl-emulated") if b in _core.available_backends()]
 
 
 @pytest.fixture(scope="module")
