@@ -54,8 +54,9 @@ class Backend {
   // the lock every engine call over this backend holds. Null where siblings share nothing
   // mutable (the CPU's).
   virtual std::recursive_mutex* device_lock() const { return nullptr; }
-  // This backend's state takes part in a forward whose stateless ops run on a sibling: the
-  // layouts it is handed from now on are the new forward's.
+  // A forward over this sequence's state begins (Forward calls it on every sequence of the
+  // forward before the first layer): the layouts attend() and gdn() are handed from now on are
+  // the new forward's, so a backend may plan what all its layers share (the tree) once.
   virtual void begin_forward() {}
 
   // ---- activations ----
@@ -71,8 +72,7 @@ class Backend {
   virtual void copy(Act dst, Act src, size_t n) = 0;
 
   // ---- stateless ops (rows-major fp32; out may alias an input where noted) ----
-  // x[i] = row tokens[i] of the embedding table, as the matmul sees it. Every forward starts
-  // with it: a backend may plan what all layers of the forward share (the tree) from there.
+  // x[i] = row tokens[i] of the embedding table, as the matmul sees it
   virtual void embed(const QMatrix& table, const int* tokens, int n, Act x) = 0;
   // n rows of dim: (x * rsqrt(mean(x^2) + eps)) * w; out may alias x
   virtual void rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) = 0;

@@ -263,11 +263,7 @@ void bind_backend_ops(py::module_& m) {
         int deepest = 0;
         for (int p : lay.pos) deepest = std::max(deepest, p + 1);
         o.be().reserve(deepest);
-        {  // a forward starts with the embedding (backend.h): the rows' tokens do not matter here
-          const std::vector<int> tokens(size_t(n), 0);
-          o.be().embed(o.matrix("model.embed_tokens.weight"), tokens.data(), n,
-                       o.be().scratch(B::kX, size_t(n) * d.hidden));
-        }
+        o.be().begin_forward();
         const int Hq = d.n_heads, Hkv = d.n_kv_heads, D = d.head_dim, C = d.conv_dim();
         py::dict attn_out, gdn_out;
         o.tape_parents.clear();

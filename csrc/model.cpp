@@ -197,7 +197,6 @@ void Forward::run_forest(Backend& ops, const std::vector<SeqRows>& parts, const 
   for (const SeqRows& p : parts) {
     SW_CHECK(!p.lay->prefill, "a forest forward verifies trees; prefill runs alone");
     pos.insert(pos.end(), p.lay->pos.begin(), p.lay->pos.end());
-    p.be->begin_forward();
   }
   forward(ops, tokens, Rows{int(pos.size()), pos, parts}, 0, logits, hidden);
 }
@@ -238,6 +237,7 @@ void Forward::layers(Backend& be, Act x, const Rows& r) {
   const size_t nh = size_t(n) * H, ni = size_t(n) * I;
   Act h = be.scratch(kH, nh), mix = be.scratch(kMix, nh);
   Act g = be.scratch(kGate, ni), u = be.scratch(kUp, ni);
+  for (const SeqRows& p : r.parts) p.be->begin_forward();
   // RoPE's (cos, sin) per row and frequency, once a forward rather than per head set and
   // attention layer (in double from the position, as before: the same bits).
   const int half = d_.rotary_dim / 2;

@@ -212,7 +212,6 @@ size_t GpuBackend::page_floats() const {
 // ---- stateless ops ----
 
 void GpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {
-  ++forward_;  // the first op of every forward
   put(&tokens_, tokens, size_t(n) * 4);
   const Mat& m = mat(&table);
   const SwEmbedParams p{n, m.cols, m.cols_pad, m.rows};
