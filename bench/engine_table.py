@@ -223,9 +223,9 @@ def bench_llama(tools, fmts, weights, threads: int, reps: int, prefill: int, loa
         g = ggufs[fmt]
         r = {"gguf": str(g)}
         r["tg_d64"] = llama_bench.llama_bench(tools, g, threads, gen=32, depth=64, reps=reps)
-        r["tg_d4096"] = llama_bench.llama_bench(tools, g, threads, gen=32, depth=4096, reps=2)
+        r["tg_d4096"] = llama_bench.llama_bench(tools, g, threads, gen=32, depth=4096, reps=1)
         r["pp16_d64"] = llama_bench.llama_bench(tools, g, threads, prompt=16, depth=64, reps=reps)
-        r["pp_prefill"] = llama_bench.llama_bench(tools, g, threads, prompt=prefill, reps=2)
+        r["pp_prefill"] = llama_bench.llama_bench(tools, g, threads, prompt=prefill, reps=1)
         quiet, loaded = [], []
         for _ in range(load_reps):  # Q L L Q
             quiet += llama_bench.llama_bench(tools, g, threads, gen=32, depth=64)["samples_tok_s"]

@@ -99,8 +99,10 @@ def make_ggufs(tools: dict, shape: dict, weights: dict, out_dir: Path) -> dict:
 def llama_bench(tools: dict, gguf: Path, threads: int, *, prompt: int = 0, gen: int = 0,
                 depth: int = 0, reps: int = 1, timeout: float = 900) -> dict:
     """llama-bench's samples (tokens/s) of one test: pp`prompt` or tg`gen` at `depth`."""
+    # --repack 0: on an AMX host ggml's repacked AMX q8_0 kernel died with SIGILL at its first
+    # tile instruction (no tile permission asked of the kernel); plain CPU buffers instead
     cmd = [str(tools["bench"]), "-m", str(gguf), "-t", str(threads), "-p", str(prompt),
-           "-n", str(gen), "-r", str(reps), "-o", "json"]
+           "-n", str(gen), "-r", str(reps), "-o", "json", "--repack", "0"]
     if depth:
         cmd += ["-d", str(depth)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
