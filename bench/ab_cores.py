@@ -3,7 +3,8 @@ bench/realistic.py's shapes and the engine's verify(1) / verify(2) / verify(16) 
 0.65B checkpoint, timed in alternation (old new new old, then new old old new, ...), every
 output checked bitwise equal between the builds.
 
-    python bench/ab_cores.py OLD_CORE NEW_CORE [--isa amx avx512] [--blocks 8] [--no-engine]
+    python bench/ab_cores.py OLD_CORE NEW_CORE [--isa amx avx512] [--weights q8 q4] [--blocks 8]
+                             [--rows 1 2 16] [--no-engine] [--threads 1 --fastest]
 
 OLD_CORE / NEW_CORE: paths of built _core extension files (`_core.cpython-*.so`). Two pybind11
 modules that register the same types must not share pybind11's internals: build one of them
@@ -44,20 +45,24 @@ def load_core(name: str, path: str):
     return mod
 
 
-def alternate(arms: dict, blocks: int, calls: int) -> dict:
-    """{(build, arm): [seconds per call, one a block]}, old new new old / new old old new."""
+def alternate(arms: dict, blocks: int, calls: int, fastest: bool = False) -> dict:
+    """{(build, arm): [seconds per call, two a block]}, old new new old / new old old new; a
+    sample is the mean of `calls` calls, or with `fastest` their minimum (a compute-bound
+    kernel on a loaded host: preemption only ever adds time)."""
     out = {k: [] for k in arms}
     for f in arms.values():
         f()
-    names = sorted({b for b, _ in arms})
+    names = ["old", "new"]
     for blk in range(blocks):
         for arm in sorted({a for _, a in arms}):
             order = [names[0], names[1], names[1], names[0]]
             for b in (order if blk % 2 == 0 else order[::-1]):
-                t = time.perf_counter()
+                ts = []
                 for _ in range(calls):
+                    t = time.perf_counter()
                     arms[(b, arm)]()
-                out[(b, arm)].append((time.perf_counter() - t) / calls)
+                    ts.append(time.perf_counter() - t)
+                out[(b, arm)].append(min(ts) if fastest else sum(ts) / calls)
     return out
 
 
@@ -82,16 +87,20 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 16])
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="matmul threads (0: all)")
+    ap.add_argument("--fastest", action="store_true",
+                    help="matmul samples: the fastest of 20 calls (default: the mean of 10)")
+    ap.add_argument("--smoke", action="store_true", help="one toy matrix, no engine (tests)")
     a = ap.parse_args(argv)
     cores = {"old": load_core("sapwood_old", a.old), "new": load_core("sapwood_new", a.new)}
     isas = a.isa or [cores["new"].isa()]
     rng = np.random.default_rng(0)
-    lines = [f"threads {cores['new'].get_num_threads()}"]
+    lines = [f"threads {a.threads or cores['new'].get_num_threads()}"]
     for isa in isas:
         for c in cores.values():
             c.set_isa(isa)
         for fmt in a.weights:
-            for label, shape in MATRICES.items():
+            for label, shape in ({"toy 48x64": (48, 64)} if a.smoke else MATRICES).items():
                 w = rng.standard_normal(shape).astype(np.float32)
                 mats = {b: c.WeightMatrix(w, fmt) for b, c in cores.items()}
                 arms = {}
@@ -100,11 +109,12 @@ def main(argv=None) -> None:
                     y = {b: m.matmul(x) for b, m in mats.items()}
                     assert (y["old"] == y["new"]).all(), f"{label} rows {rows}: the builds differ"
                     for b, m in mats.items():
-                        arms[(b, rows)] = (lambda m=m, x=x: m.matmul(x))
-                calls = 2 if shape[0] > 10000 else 10
-                lines += report(alternate(arms, a.blocks, calls), f"{isa} {fmt} {label} rows")
+                        arms[(b, rows)] = (lambda m=m, x=x: m.matmul(x, a.threads))
+                calls = 2 if shape[0] > 10000 else (20 if a.fastest else 10)
+                lines += report(alternate(arms, a.blocks, calls, a.fastest),
+                                f"{isa} {fmt} {label} rows")
                 print("\n".join(lines[-len(a.rows):]), flush=True)
-            if a.no_engine:
+            if a.no_engine or a.smoke:
                 continue
             weights = random_weights()
             engs = {b: c.Engine(SHAPE, weights, fmt, "int8", 256, 0) for b, c in cores.items()}

@@ -319,3 +319,14 @@ def test_engine_table_smoke(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_script("engine_table").main(["--smoke", "--isa", "sideways"])
     assert "--isa sideways: not available here" in capsys.readouterr().err
+
+
+def test_ab_cores_alternates_two_builds(capsys):
+    """bench/ab_cores.py as an A/A on this process's _core (one file: one module): every arm
+    under both names, two samples a block, outputs compared."""
+    from sapwood import _core
+    bench_script("ab_cores").main([_core.__file__, _core.__file__, "--smoke", "--rows", "1", "3",
+                                   "--blocks", "2", "--threads", "1", "--fastest"])
+    out = capsys.readouterr().out
+    assert "toy 48x64 rows 1: old" in out and "toy 48x64 rows 3: old" in out
+    assert out.count("over 2 blocks") == 2
