@@ -180,6 +180,12 @@ void bind_backend_ops(py::module_& m) {
         o.be().add(a, b, x.size());
         return shaped(o.get(a, x.size()), x);
       }, py::arg("x"), py::arg("y"), "x + y")
+      .def("copy", [](BackendOps& o, py::handle x_obj) {
+        F32 x = as_f32(x_obj, "x", {-1});
+        Act a = o.put(B::kX, x.data(), x.size()), out = o.be().scratch(B::kMix, x.size());
+        o.be().copy(out, a, x.size());
+        return shaped(o.get(out, x.size()), x);
+      }, py::arg("x"), "a copy through the backend's device copy")
       .def("silu_mul", [](BackendOps& o, py::handle x_obj, py::handle u_obj) {
         F32 x = as_f32(x_obj, "x", {-1}), u = as_f32(u_obj, "u", {x.shape(0)});
         Act a = o.put(B::kGate, x.data(), x.size()), b = o.put(B::kUp, u.data(), u.size());

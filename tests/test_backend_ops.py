@@ -128,7 +128,8 @@ def test_rms_norm(checkpoint, backend, rng, name):
 
 @pytest.mark.parametrize("n", [1, 31, 1000])
 def test_elementwise(checkpoint, backend, rng, n):
-    """add is one IEEE addition: `==` numpy's float32 sum. silu(x)*u and sigmoid(x)*u against
+    """add is one IEEE addition: `==` numpy's float32 sum; copy (a forest's K/V rows into each
+    sequence's own) is `==` its input. silu(x)*u and sigmoid(x)*u against
     float64: an exp within 4 ulp (MSL's bound; the CPU's canonical exp is closer), a division
     and two products, relative to outputs of size <= ~20: 2e-5 absolute, while a wrong
     activation (sigmoid for silu, a missing u) is off by 1e-1 or more."""
@@ -136,9 +137,10 @@ def test_elementwise(checkpoint, backend, rng, n):
     x, u = f32(rng, n, scale=3), f32(rng, n, scale=2)
     with on(backend):
         s = ops_.add(x, u)
+        c = ops_.copy(x)
         a = ops_.silu_mul(x, u)
         b = ops_.sigmoid_mul(x, u)
-    assert (s == x + u).all()
+    assert (s == x + u).all() and (c == x).all()
     x64, u64 = x.astype(np.float64), u.astype(np.float64)
     assert_close(a, silu(x64) * u64, 2e-5, "silu_mul")
     assert_close(b, sigmoid(x64) * u64, 2e-5, "sigmoid_mul")
