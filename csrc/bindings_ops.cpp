@@ -88,28 +88,6 @@ class BackendOps {
     return out;
   }
 
-  // One layout for the attention and GDN layers: a prefill chunk (parents empty: a chain
-  // committed as it goes) or a tree verified against the committed state.
-  BatchLayout layout(int n, const std::vector<int>& parents) const {
-    BatchLayout lay;
-    lay.n = n;
-    const int P = be_->length();
-    if (parents.empty()) {
-      lay.prefill = true;
-      lay.hist_len = P + n;
-      for (int i = 0; i < n; ++i) lay.pos.push_back(P + i), lay.row_len.push_back(P + i + 1);
-      return lay;
-    }
-    SW_CHECK(int(parents.size()) == n, "parents has ", parents.size(), " entries for ", n, " rows");
-    check_parents(parents.data(), n);
-    lay.parents = parents;
-    lay.hist_len = P;
-    lay.anc = ancestor_table(parents.data(), n, &lay.anc_stride);
-    const std::vector<int> depth = tree_depths(parents.data(), n);
-    for (int i = 0; i < n; ++i) lay.pos.push_back(P + depth[i]), lay.row_len.push_back(P + depth[i] + 1);
-    return lay;
-  }
-
  private:
   std::pair<const LayerWeights*, std::string> layer_of(const std::string& name) const {
     const std::string pre = "model.layers.";
@@ -265,7 +243,11 @@ void bind_backend_ops(py::module_& m) {
         SW_CHECK(int(py::len(attn)) == d.n_attn() && int(py::len(gdn)) == d.n_layers() - d.n_attn(),
                  "a forward runs every layer: ", d.n_attn(), " attention and ",
                  d.n_layers() - d.n_attn(), " GDN layers");
-        const BatchLayout lay = o.layout(n, parents);
+        SW_CHECK(parents.empty() || int(parents.size()) == n, "parents has ", parents.size(),
+                 " entries for ", n, " rows");
+        // a prefill chunk (parents empty: a chain committed as it goes) or a tree verified
+        // against the committed state
+        const BatchLayout lay = parents.empty() ? prefill_layout(P, n) : tree_layout(P, parents);
         int deepest = 0;
         for (int p : lay.pos) deepest = std::max(deepest, p + 1);
         o.be().reserve(deepest);

@@ -196,14 +196,7 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
   const int T = int(tokens.size());
   for (int c0 = 0; c0 < T; c0 += kPrefillChunk) {
     const int n = std::min(kPrefillChunk, T - c0);
-    BatchLayout lay;
-    lay.n = n;
-    lay.prefill = true;
-    lay.hist_len = P + c0 + n;
-    for (int i = 0; i < n; ++i) {
-      lay.pos.push_back(P + c0 + i);
-      lay.row_len.push_back(P + c0 + i + 1);
-    }
+    const BatchLayout lay = prefill_layout(P + c0, n);
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
     be_->set_threads(forward_threads(n));
@@ -213,34 +206,23 @@ void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P
   }
 }
 
-BatchLayout Engine::tree_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const {
+BatchLayout Engine::verify_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const {
   SW_CHECK(tokens.size() == parents.size(), "tokens (", tokens.size(), ") and parents (",
            parents.size(), ") differ in length");
   SW_CHECK(tokens.size() <= size_t(kMaxVerifyNodes), "verify: a tree of ", tokens.size(),
            " nodes; at most ", kMaxVerifyNodes, " are verified at once");
   check_tokens(tokens);
-  const int n = int(tokens.size());
-  check_parents(parents.data(), n);
-  BatchLayout lay;
-  lay.n = n;
-  lay.parents = parents;
-  lay.hist_len = position();
-  lay.anc = ancestor_table(parents.data(), n, &lay.anc_stride);
-  const std::vector<int> depth = tree_depths(parents.data(), n);
-  const int deepest = *std::max_element(depth.begin(), depth.end());
+  BatchLayout lay = sapwood::tree_layout(position(), parents);
+  const int deepest = *std::max_element(lay.pos.begin(), lay.pos.end()) - position();
   SW_CHECK(position() + deepest + 1 <= max_context_, "context full: position ", position(),
            " + tree depth ", deepest + 1, " > max_context ", max_context_);
-  for (int i = 0; i < n; ++i) {
-    lay.pos.push_back(position() + depth[i]);
-    lay.row_len.push_back(position() + depth[i] + 1);
-  }
   return lay;
 }
 
 std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vector<int>& parents) {
   Use use(*this);
   join_fold();
-  const BatchLayout lay = tree_layout(tokens, parents);
+  const BatchLayout lay = verify_layout(tokens, parents);
   begin_change();
   be_->set_threads(forward_threads(lay.n));
   std::vector<float> logits;
@@ -274,7 +256,7 @@ std::vector<std::vector<float>> Engine::verify_many(const std::vector<Engine*>& 
     uses.push_back(std::make_unique<Use>(e));
     e.join_fold();
     try {
-      lays[i] = e.tree_layout(tokens[i], parents[i]);
+      lays[i] = e.verify_layout(tokens[i], parents[i]);
     } catch (const InputError& x) {
       throw InputError(cat("verify_many: sequence ", i, ": ", x.what()));
     }

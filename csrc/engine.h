@@ -158,7 +158,7 @@ class Engine {
 
   void check_tokens(const std::vector<int>& tokens) const;
   // verify()'s checks of a tree and its layout at the current position
-  BatchLayout tree_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const;
+  BatchLayout verify_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const;
   // Appends the logits prefill(tokens, all_rows) returns to *out.
   void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out,
                       std::vector<float>* hidden = nullptr);

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "backend.h"
+#include "tree.h"
 
 namespace sapwood {
 
@@ -66,6 +67,27 @@ QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WF
 }
 
 }  // namespace
+
+BatchLayout prefill_layout(int P, int n) {
+  BatchLayout lay;
+  lay.n = n;
+  lay.prefill = true;
+  lay.hist_len = P + n;
+  for (int i = 0; i < n; ++i) lay.pos.push_back(P + i), lay.row_len.push_back(P + i + 1);
+  return lay;
+}
+
+BatchLayout tree_layout(int P, const std::vector<int>& parents) {
+  const int n = int(parents.size());
+  check_parents(parents.data(), n);
+  BatchLayout lay;
+  lay.n = n;
+  lay.parents = parents;
+  lay.hist_len = P;
+  lay.anc = ancestor_table(parents.data(), n, &lay.anc_stride);
+  for (int d : tree_depths(parents.data(), n)) lay.pos.push_back(P + d), lay.row_len.push_back(P + d + 1);
+  return lay;
+}
 
 std::vector<float> load_norm(const TensorMap& t, const std::string& name, int dim) {
   return one_plus(get(t, name, {dim}));

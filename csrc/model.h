@@ -81,6 +81,11 @@ struct BatchLayout {
   bool prefill = false;   // rows are a chain committed as they go (K/V written to pages first)
 };
 
+// A prefill chunk: n rows at positions [P, P + n), a chain committed as it goes.
+BatchLayout prefill_layout(int P, int n);
+// A tree verified against P committed positions (parents checked: one root, parents first).
+BatchLayout tree_layout(int P, const std::vector<int>& parents);
+
 class Backend;
 
 // One sequence's part of a forward: its state (a backend) and where its rows sit.

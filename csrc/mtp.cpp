@@ -71,14 +71,7 @@ void MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_f
                       std::vector<float>* logits, std::vector<float>* out_hidden) {
   const int P = position(), H = dims_.hidden, V = dims_.vocab;
   const size_t nh = size_t(n) * H;
-  BatchLayout lay;
-  lay.n = n;
-  lay.prefill = true;
-  lay.hist_len = P + n;
-  for (int i = 0; i < n; ++i) {
-    lay.pos.push_back(P + i);
-    lay.row_len.push_back(P + i + 1);
-  }
+  const BatchLayout lay = prefill_layout(P, n);
   const long long macs = (long long)(target_.head().rows) * H + 2LL * H * H +
                          weights_.macs_per_token();  // head() of the layer's weights is empty
   Backend& be = *be_;

@@ -22,15 +22,17 @@ constexpr int kQ8Threads = SW_Q8_THREADS, kQ8Rows = SW_Q8_MAX_ROWS;
 
 GpuBackend::GpuBackend(std::unique_ptr<gpu::Device> dev, const ModelDims& d,
                        const ModelWeights& w, KVDtype kv, int max_context, int page_size)
-    : GpuBackend(std::make_shared<Shared>(std::move(dev)), d, w, kv, max_context, page_size, true) {}
+    : GpuBackend(std::make_shared<Shared>(std::move(dev)), d, w, kv, max_context, page_size) {
+  upload_weights();
+}
 
 std::unique_ptr<Backend> GpuBackend::new_sequence(int max_context, int) const {
   std::lock_guard<std::recursive_mutex> hold(shared_->lock);  // allocates on the shared device
-  return std::unique_ptr<Backend>(new GpuBackend(shared_, d_, w_, kv_dtype_, max_context, page_size_, false));
+  return std::unique_ptr<Backend>(new GpuBackend(shared_, d_, w_, kv_dtype_, max_context, page_size_));
 }
 
 GpuBackend::GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const ModelWeights& w,
-                       KVDtype kv, int max_context, int page_size, bool upload)
+                       KVDtype kv, int max_context, int page_size)
     : shared_(std::move(shared)), dev_(shared_->dev.get()), name_(dev_->name()), d_(d), w_(w),
       kv_dtype_(kv), page_size_(page_size) {
   SW_CHECK(kv == KVDtype::Int8, "the ", name_, " backend keeps KV in int8 pages only (kv='int8')");
@@ -46,17 +48,8 @@ GpuBackend::GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const
   for (int i = num_pages_ - 1; i >= 0; --i) free_.push_back(i);
   scratch_.resize(Forward::kBufs);
   empty_ = alloc(64);
-  if (upload) upload_matrix(w.embed);
-  if (upload && w.lm_head.rows) upload_matrix(w.lm_head);
-  if (upload) upload_vec(w.final_norm);
   const int C = d.conv_dim(), K = d.conv_k;
   for (int l = 0; l < d.n_layers(); ++l) {
-    const LayerWeights& L = w.layers[l];
-    for (const QMatrix* m : L.matrices())
-      if (upload && m->rows) upload_matrix(*m);
-    for (const std::vector<float>* v : {&L.in_norm, &L.post_norm, &L.q_norm, &L.k_norm, &L.gnorm,
-                                        &L.neg_exp_a, &L.dt_bias})
-      if (upload && !v->empty()) upload_vec(*v);
     if (d.is_attn[l]) {
       KVLayer kl;
       const size_t vals = size_t(num_pages_) * page_floats();
@@ -68,13 +61,28 @@ GpuBackend::GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const
       g.S = alloc(sizeof(float) * d.hv * d.dk * d.dv);
       g.window = alloc(sizeof(float) * (K - 1) * C);
       g.window_next = alloc(sizeof(float) * (K - 1) * C);
-      if (upload) {
-        std::vector<float> cw(size_t(K) * C);  // HF [C][1][K] -> the kernel's [K][C]
-        for (int c = 0; c < C; ++c)
-          for (int t = 0; t < K; ++t) cw[size_t(t) * C + c] = L.conv_w[size_t(c) * K + t];
-        put(&shared_->conv_w.emplace_back(), cw.data(), cw.size() * 4);
-      }
       gdn_.push_back(std::move(g));
+    }
+  }
+}
+
+void GpuBackend::upload_weights() {
+  upload_matrix(w_.embed);
+  if (w_.lm_head.rows) upload_matrix(w_.lm_head);
+  upload_vec(w_.final_norm);
+  const int C = d_.conv_dim(), K = d_.conv_k;
+  for (int l = 0; l < d_.n_layers(); ++l) {
+    const LayerWeights& L = w_.layers[l];
+    for (const QMatrix* m : L.matrices())
+      if (m->rows) upload_matrix(*m);
+    for (const std::vector<float>* v : {&L.in_norm, &L.post_norm, &L.q_norm, &L.k_norm, &L.gnorm,
+                                        &L.neg_exp_a, &L.dt_bias})
+      if (!v->empty()) upload_vec(*v);
+    if (!d_.is_attn[l]) {
+      std::vector<float> cw(size_t(K) * C);  // HF [C][1][K] -> the kernel's [K][C]
+      for (int c = 0; c < C; ++c)
+        for (int t = 0; t < K; ++t) cw[size_t(t) * C + c] = L.conv_w[size_t(c) * K + t];
+      put(&shared_->conv_w.emplace_back(), cw.data(), cw.size() * 4);
     }
   }
 }

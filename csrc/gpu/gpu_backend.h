@@ -100,9 +100,10 @@ class GpuBackend final : public Backend {
     std::vector<gpu::Buffer> conv_w;  // per GDN layer, the kernel's [K][C]
     std::recursive_mutex lock;
   };
-  // upload: the weights go to the device (a first sequence); else they are there (a sibling's)
+  // a sequence's own state over `shared` (a first sequence then uploads the weights to it)
   GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const ModelWeights& w,
-             KVDtype kv, int max_context, int page_size, bool upload);
+             KVDtype kv, int max_context, int page_size);
+  void upload_weights();  // the model's weights to the shared device, once for all siblings
 
   gpu::Buffer alloc(size_t bytes);
   // buffer *b with room for `bytes` (reallocated, contents dropped, when smaller)
