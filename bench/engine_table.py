@@ -11,6 +11,9 @@ verify(2) (a chain of two); verify(16) (a 16-node tree) against its roof, max(by
 multiply-adds / int8 peak), the peak from the variant's own register-only microkernel
 (`_core.int8_peak`); 16-row tree attention at 4K and 32K against its roof and one row; prefill
 of a 4K prompt (tok/s); decode tokens/s beside one competing CPU-bound process over quiet.
+Beside llama.cpp (llama-bench on GGUFs of the same weights, the first ISA's engine): decode,
+16 tokens at once and the prefill prompt, the two engines' runs alternated ABBA block by
+block, with sapwood / llama.cpp per block.
 
 Protocol (a shared host): every arm of a section is timed once per block, the order of the
 arms reversed on odd blocks (ABBA), ISAs interleaved inside the block; medians and ranges over
@@ -212,31 +215,57 @@ def bench_load(eng, shape, isas, blocks: int, tokens: int, rng) -> dict:
     return out
 
 
-def bench_llama(tools, fmts, weights, threads: int, reps: int, prefill: int, load_reps: int,
-                gguf_dir: Path) -> dict:
-    """llama-bench's tok/s on GGUFs of the same weights: tg at depth 64 and 4K, pp16, pp`prefill`,
-    tg beside one competitor. Its own repetitions (not interleaved with sapwood's arms); 32K
-    left out: llama-bench prefills the depth again for every repetition (minutes here)."""
-    ggufs = llama_bench.make_ggufs(tools, SHAPE, weights, gguf_dir)
-    out = {}
-    for fmt in fmts:
-        g = ggufs[fmt]
-        r = {"gguf": str(g)}
-        r["tg_d64"] = llama_bench.llama_bench(tools, g, threads, gen=32, depth=64, reps=reps)
-        r["tg_d4096"] = llama_bench.llama_bench(tools, g, threads, gen=32, depth=4096, reps=1)
-        r["pp16_d64"] = llama_bench.llama_bench(tools, g, threads, prompt=16, depth=64, reps=reps)
-        r["pp_prefill"] = llama_bench.llama_bench(tools, g, threads, prompt=prefill, reps=1)
-        quiet, loaded = [], []
-        for _ in range(load_reps):  # Q L L Q
-            quiet += llama_bench.llama_bench(tools, g, threads, gen=32, depth=64)["samples_tok_s"]
-            for _ in range(2):
-                with Competitor():
-                    loaded += llama_bench.llama_bench(tools, g, threads, gen=32, depth=64)["samples_tok_s"]
-            quiet += llama_bench.llama_bench(tools, g, threads, gen=32, depth=64)["samples_tok_s"]
-        r["tg_quiet"], r["tg_loaded"] = quiet, loaded
-        r["loaded_over_quiet"] = summ([(loaded[2 * i] + loaded[2 * i + 1]) / (quiet[2 * i] + quiet[2 * i + 1])
-                                       for i in range(load_reps)])
-        out[fmt] = r
+def bench_side_by_side(eng, shape, tools, gguf: Path, isa: str, threads: int, blocks: int,
+                       prefill: int, load_blocks: int, rng) -> dict:
+    """sapwood (kernel variant `isa`) and llama-bench on the same weights, arm by arm: per block
+    sapwood, llama, llama, sapwood (reversed on odd blocks) for decode (32 tokens after 64),
+    16 tokens at once after 64 (pp16), a `prefill`-token prompt; tok/s and sapwood / llama per
+    block. llama.cpp's own loaded / quiet (Q L L Q blocks) beside sapwood's load row. 32K is
+    left out: llama-bench prefills the depth again for every run (minutes here)."""
+    _core.set_isa(isa)
+    eng.reset()
+    eng.prefill(rng.integers(0, shape["vocab_size"], 64))
+    snap = eng.snapshot()
+    p16 = rng.integers(0, shape["vocab_size"], 16)
+    big = rng.integers(0, shape["vocab_size"], prefill)
+
+    def sw_pp16():
+        eng.restore(snap)
+        return 16 / timed(lambda: eng.prefill(p16))
+
+    def sw_prefill():
+        eng.reset()
+        return prefill / timed(lambda: eng.prefill(big))
+
+    def llama(**kw):
+        return lambda: statistics.median(
+            llama_bench.llama_bench(tools, gguf, threads, reps=1, **kw)["samples_tok_s"])
+    tests = {"decode_d64": (lambda: decode_tok_s(eng, snap, 32), llama(gen=32, depth=64)),
+             "pp16_d64": (sw_pp16, llama(prompt=16, depth=64)),
+             "prefill": (sw_prefill, llama(prompt=prefill))}
+    out = {"gguf": str(gguf), "isa": isa}
+    for name, (sw, ll) in tests.items():
+        s_tok, l_tok, ratios = [], [], []
+        for b in range(blocks if name != "prefill" else max(1, blocks // 2)):
+            order = [sw, ll, ll, sw] if b % 2 == 0 else [ll, sw, sw, ll]
+            got = [(f is sw, f()) for f in order]
+            s2 = [t for is_sw, t in got if is_sw]
+            l2 = [t for is_sw, t in got if not is_sw]
+            s_tok += s2
+            l_tok += l2
+            ratios.append(sum(s2) / sum(l2))
+        out[name] = {"sapwood_tok_s": summ(s_tok), "llama_tok_s": summ(l_tok),
+                     "sapwood_over_llama": summ(ratios)}
+    quiet, loaded = [], []
+    tg = llama(gen=32, depth=64)
+    for _ in range(load_blocks):  # Q L L Q
+        quiet.append(tg())
+        for _ in range(2):
+            with Competitor():
+                loaded.append(tg())
+        quiet.append(tg())
+    out["llama_loaded_over_quiet"] = summ([(loaded[2 * i] + loaded[2 * i + 1]) / (quiet[2 * i] + quiet[2 * i + 1])
+                                           for i in range(load_blocks)])
     return out
 
 
@@ -255,35 +284,36 @@ def print_table(out: dict) -> None:
     print("  median [range] over blocks; ratios per block; X/roof: the roof's time over the "
           "measured one (1.0 = at the roof)")
     for fr in out["formats"]:
-        fmt = fr["weights"]
-        ll = out.get("llama", {}).get(fmt) if isinstance(out.get("llama"), dict) else None
-        cols = isas + (["llama.cpp"] if ll else [])
-        print(f"\n{fmt}: weights {fr['weights_bytes'] / 1e6:.0f} MB")
-        print(f"{'':34}" + "".join(f"{c:>30}" for c in cols))
+        print(f"\n{fr['weights']}: weights {fr['weights_bytes'] / 1e6:.0f} MB")
+        print(f"{'':34}" + "".join(f"{c:>30}" for c in isas))
 
         def row(label, cells):
             print(f"{label:34}" + "".join(f"{c:>30}" for c in cells))
         for s in fr["steps"]:
             c = s["ctx"]
-            lt = (ll or {}).get({64: "tg_d64", 4096: "tg_d4096"}.get(c, ""), None)
-            row(f"decode step ms @{c}", [fmt_range(s["isa"][i]["verify1_ms"]) for i in isas]
-                + ([fmt_range(summ([1e3 / x for x in lt["samples_tok_s"]])) if lt else "-"] if ll else []))
+            row(f"decode step ms @{c}", [fmt_range(s["isa"][i]["verify1_ms"]) for i in isas])
             row(f"  floor ms ({s['read_GBps']['median']:.1f} GB/s)", [fmt_range(s["isa"][i]["floor_ms"]) for i in isas])
             row("  floor / step", [fmt_range(s["isa"][i]["decode_of_floor"], digits=2) for i in isas])
             row(f"verify(1) / verify(2) @{c}", [fmt_range(s["isa"][i]["verify1_over_verify2"], digits=2) for i in isas])
-            lp = (ll or {}).get("pp16_d64") if c == 64 else None
-            row(f"verify(16) ms @{c}", [fmt_range(s["isa"][i]["verify16_ms"]) for i in isas]
-                + ([fmt_range(summ([16e3 / x for x in lp["samples_tok_s"]])) if lp else "-"] if ll else []))
+            row(f"verify(16) ms @{c}", [fmt_range(s["isa"][i]["verify16_ms"]) for i in isas])
             row("  / decode step", [fmt_range(s["isa"][i]["verify16_over_verify1"], digits=2) for i in isas])
             row("  roof / verify(16)", [fmt_range(s["isa"][i]["verify16_of_roof"], digits=2) for i in isas])
-        row(f"prefill {out['prefill_tokens']} tok/s", [fmt_range(fr["prefill_tok_s"][i], digits=0) for i in isas]
-            + ([fmt_range(summ(ll["pp_prefill"]["samples_tok_s"]), digits=0)] if ll else []))
-        row("decode tok/s quiet", [fmt_range(fr["load"][i]["quiet_tok_s"], digits=1) for i in isas]
-            + ([fmt_range(summ(ll["tg_quiet"]))] if ll else []))
-        row("  beside 1 busy process", [fmt_range(fr["load"][i]["loaded_tok_s"], digits=1) for i in isas]
-            + ([fmt_range(summ(ll["tg_loaded"]))] if ll else []))
-        row("  loaded / quiet", [fmt_range(fr["load"][i]["loaded_over_quiet"], digits=2) for i in isas]
-            + ([fmt_range(ll["loaded_over_quiet"], digits=2)] if ll else []))
+        row(f"prefill {out['prefill_tokens']} tok/s", [fmt_range(fr["prefill_tok_s"][i], digits=0) for i in isas])
+        row("decode tok/s quiet", [fmt_range(fr["load"][i]["quiet_tok_s"], digits=1) for i in isas])
+        row("  beside 1 busy process", [fmt_range(fr["load"][i]["loaded_tok_s"], digits=1) for i in isas])
+        row("  loaded / quiet", [fmt_range(fr["load"][i]["loaded_over_quiet"], digits=2) for i in isas])
+        ll = fr.get("llama")
+        if isinstance(ll, dict):
+            print(f"\n{fr['weights']} beside llama.cpp ({ll['isa']}; arms alternated ABBA, tok/s)")
+            print(f"{'':34}" + "".join(f"{c:>30}" for c in ("sapwood", "llama.cpp", "sapwood / llama.cpp")))
+            for name, label in (("decode_d64", "decode @64"), ("pp16_d64", "16 tokens at once @64"),
+                                ("prefill", f"prefill {out['prefill_tokens']}")):
+                r = ll[name]
+                row(label, [fmt_range(r["sapwood_tok_s"]), fmt_range(r["llama_tok_s"]),
+                            fmt_range(r["sapwood_over_llama"], digits=2)])
+            row("llama.cpp loaded / quiet", ["", fmt_range(ll["llama_loaded_over_quiet"], digits=2), ""])
+        elif ll:
+            print(f"\nllama.cpp: {ll}")
     print(f"\ntree attention, 16 rows (a tree) over int8 K/V, {out['attention_heads']}; roof: "
           "max(bytes / read bandwidth, multiply-adds / int8 peak)")
     print(f"{'':34}" + "".join(f"{c:>30}" for c in isas))
@@ -291,7 +321,7 @@ def print_table(out: dict) -> None:
         print(f"{f'16 rows ms @{c}':34}" + "".join(f"{fmt_range(a['isa'][i]['rows16_ms'], digits=2):>30}" for i in isas))
         print(f"{'  / 1 row':34}" + "".join(f"{fmt_range(a['isa'][i]['rows16_over_rows1'], digits=2):>30}" for i in isas))
         print(f"{'  roof / measured':34}" + "".join(f"{fmt_range(a['isa'][i]['of_roof'], digits=2):>30}" for i in isas))
-    if not isinstance(out.get("llama"), dict):
+    if out.get("llama") != "run":
         print(f"\nllama.cpp: {out.get('llama')}")
 
 
@@ -327,6 +357,8 @@ def main(argv=None) -> None:
     ap.add_argument("--load-reps", type=int, default=3, help="Q L L Q blocks of the load row")
     ap.add_argument("--load-tokens", type=int, default=32)
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out even if built")
+    ap.add_argument("--llama-reps", type=int, default=4,
+                    help="ABBA blocks of the side-by-side rows (the prefill row: half)")
     ap.add_argument("--gguf-dir", type=Path, default=Path("/tmp/sapwood_engine_table_gguf"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="a toy shape, no llama.cpp (tests)")
@@ -350,6 +382,15 @@ def main(argv=None) -> None:
     shape = TINY if a.smoke else SHAPE
     weights = random_weights(shape)
     rng = np.random.default_rng(1)
+    tools, out["llama"] = ((None, "not run: --no-llama or --smoke") if a.no_llama or a.smoke
+                           else llama_bench.find_build())
+    ggufs = {}
+    if tools:
+        try:
+            ggufs = llama_bench.make_ggufs(tools, SHAPE, weights, a.gguf_dir)
+            out["llama"] = "run"
+        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+            tools, out["llama"] = None, f"failed: {e}"
     for fmt in a.weights:
         eng = _core.Engine(shape, weights, fmt, "int8", max(a.contexts + [a.prefill]) + 64, 0)
         fr = {"weights": fmt, "weights_bytes": eng.memory()["weights_bytes"], "steps": []}
@@ -358,6 +399,12 @@ def main(argv=None) -> None:
             print(f"{fmt} steps @{ctx} done (load {load_avg()[0]:.1f})", file=sys.stderr)
         fr["prefill_tok_s"] = bench_prefill(eng, shape, a.prefill, isas, a.prefill_reps, rng)
         fr["load"] = bench_load(eng, shape, isas, a.load_reps, a.load_tokens, rng)
+        if tools and fmt in ggufs:
+            try:
+                fr["llama"] = bench_side_by_side(eng, shape, tools, ggufs[fmt], isas[0], threads,
+                                                 a.llama_reps, a.prefill, a.load_reps, rng)
+            except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+                fr["llama"] = f"failed: {e}"
         fr["load_avg_after"] = load_avg()
         out["formats"].append(fr)
         del eng
@@ -365,16 +412,6 @@ def main(argv=None) -> None:
     out["attention_heads"] = (f"{shape['num_heads']} query heads, {shape['num_kv_heads']} KV heads "
                               f"of dim {shape['head_dim']}, one layer")
     out["attention"] = bench_attention(shape, a.attention_contexts, isas, a.reps, peak, bw)
-    tools, why = ((None, "not run: --no-llama or --smoke") if a.no_llama or a.smoke
-                  else llama_bench.find_build())
-    if tools:
-        try:
-            out["llama"] = bench_llama(tools, a.weights, weights, threads, 3, a.prefill,
-                                       a.load_reps, a.gguf_dir)
-        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
-            out["llama"] = f"failed: {e}"
-    else:
-        out["llama"] = why
     out["load_end"] = load_avg()
     print_table(out)
     if a.json:
