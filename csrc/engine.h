@@ -165,10 +165,8 @@ class Engine {
   void drop_hidden();  // the committed state moved without hidden rows: start past the gap
   // Threads for a forward of `rows` tokens: one while its whole work is below kForwardRegions
   // regions of min_parallel_work(). A forward is ~10 regions a layer and a small one is all
-  // hand-offs: the bundled draft (1.58M multiply-adds a token) drafted chains 13% faster on
-  // one thread (chain decode 2205 vs 1948 tok/s, geomean of 6 cohort prompts, 3 ABBA passes,
-  // 2-core Xeon), while the bundled target's one-token verify (11.3M) took 383 us on two
-  // threads against 512 on one.
+  // hand-offs: the bundled draft (1.58M multiply-adds a token) drafts chains faster on one
+  // thread, while the bundled target's one-token verify (11.3M) is faster on two.
   static constexpr long long kForwardRegions = 128;
   int forward_threads(int rows) const {
     return threads_for((long long)rows * weights_.macs_per_token() / kForwardRegions, threads_);

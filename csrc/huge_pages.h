@@ -1,17 +1,13 @@
 // Storage for the large arrays a decode step streams (weights, the KV pool), backed by
 // transparent huge pages where the OS offers them on request (Linux THP in "madvise" mode,
 // the common default). With 4 KiB pages, streaming the weights costs a TLB miss every 4 KiB
-// and reads slower: the read-bandwidth probe 25-26 GB/s on small pages, 33-35 on huge ones
-// (2-core Xeon).
+// and reads slower.
 //
 // Arrays are carved from shared huge-page chunks (HugeArena) rather than each taking its own
 // pages: a model is many matrices of 0.1-6 MB, and on their own each one's tail beyond its
-// last whole huge page (all of a matrix under 2 MiB) stayed on small pages: with the arena
-// the realistic 0.66B shape's process holds 213 MB more on huge pages (AnonHugePages; 630 MB
-// of weights). One-row matmuls over 40 separate 3.7 MB matrices read 13.6-13.9 GB/s on one
-// thread against 15.7-16.0 for one 155 MB matrix (15.3-15.5 from the arena); the realistic
-// decode step at context 64 went 25.7-26.9 -> 25.1-25.7 ms and the bundled target's
-// one-token verify 351-365 -> 326-351 us (alternated processes, 6 and 4 each).
+// last whole huge page (all of a matrix under 2 MiB) stayed on small pages, so one-row matmuls
+// over many separate matrices read slower than over one large one; from the arena they read
+// nearly as fast.
 #pragma once
 #include <cstddef>
 #include <vector>

@@ -24,13 +24,9 @@ namespace {
 // kernel costs tens of microseconds in a VM, more than most regions' work. The spin is timed,
 // not counted, because the cost of `pause` varies tenfold between CPUs. Past it they block, so
 // an idle engine or a loaded machine (more runnable threads than cores) is not made worse.
-// The spin outlasts the gaps of a decoding loop (the Python of a round, 20-300 us; a draft
-// model's single-threaded rows, ~400 us for 8): at 100 us the helper slept in them, and on a
-// 2-core Zen 5 VM a parked vCPU then takes several rounds to come back to speed (plain rounds
-// after a pause: 350-560 us, falling to ~200 over 6-10 rounds; with a 3 ms spin 210-260 to
-// ~170). Bundled pair, 13 cohort prompts x 128 tokens, 4 alternated pairs of processes, 100 us
-// -> 2 ms: plain decoding 2121-3352 -> 3240-4701 tok/s, chain 1565-2407 -> 2074-2809, every
-// pair faster.
+// The spin outlasts the gaps of a decoding loop (the Python of a round; a draft model's
+// single-threaded rows): with a shorter spin the helper slept in them, and in a VM a parked
+// vCPU then takes several rounds to come back to speed, which costs more than the spinning.
 constexpr auto kSpin = std::chrono::microseconds(2000);
 
 // Spins until ready() or kSpin has passed; returns ready().
@@ -117,12 +113,9 @@ class Pool {
  private:
   // A participant's jobs [lo, hi), packed in one word: its owner takes from the front, a
   // participant that ran out of its own takes from the back. One shared job counter made
-  // every claim move a cache line between the cores (a verify(9) of the bundled target
-  // claims ~640 jobs in 47 regions, counted in an instrumented build; a cross-core round trip
-  // here is 140-250 ns); an owner's claims on its own line stay in its cache, and only a
-  // region's last jobs move. Bundled pair, both builds in one process alternated ABBA
-  // (bench/ab_builds.py --in-process; 13 cohort prompts x 128 tokens, 4 blocks): decode off
-  // x1.055, chain x1.119, auto x1.069, every block faster (an A/A of two builds: x0.99).
+  // every claim move a cache line between the cores (a verify claims hundreds of jobs in
+  // dozens of regions); an owner's claims on its own line stay in its cache, and only a
+  // region's last jobs move.
   struct alignas(64) JobRange {
     std::atomic<uint64_t> lo_hi{0};
     void set(int lo, int hi) { lo_hi.store(uint64_t(uint32_t(hi)) << 32 | uint32_t(lo)); }

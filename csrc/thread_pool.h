@@ -9,8 +9,8 @@ namespace sapwood {
 
 // A non-owning reference to a callable `void(int)`, valid while the callable lives (a region's
 // lambda outlives its parallel_for). A std::function made from a kernel's [&] lambda (more
-// than two captures) allocated on the heap at every region: malloc and free took ~5% of a
-// draft model's rows in perf, 0.8% with this.
+// than two captures) allocated on the heap at every region: malloc and free were a visible
+// share of a draft model's rows in perf.
 class JobRef {
  public:
   template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, JobRef>>>
@@ -42,10 +42,9 @@ void set_default_threads(int threads);
 // The thread count for a region of about `work` multiply-adds (or element updates): 1 below
 // min_parallel_work() (default 2^15), where handing jobs to a helper costs more than it saves.
 // Within a forward the helper is still spinning from the previous region, so a hand-off is
-// cheap: a one-token verify of the bundled 11M target took 0.61-0.74 ms at 2^14-2^16 and
-// 1.06-1.37 ms at 2^20 (2-core Zen 3 VM, ABBA over 6 passes of 100 calls). Thread
-// counts never change results; tests set the threshold to 0 so every region runs its parallel
-// path.
+// cheap: a one-token verify of the bundled 11M target is faster at thresholds around the
+// default than at 2^20. Thread counts never change results; tests set the threshold to 0 so
+// every region runs its parallel path.
 long long min_parallel_work();
 void set_min_parallel_work(long long work);
 inline int threads_for(long long work, int threads) {

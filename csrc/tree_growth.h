@@ -1,7 +1,7 @@
 // Best-first tree growth over a draft lattice, priced by a calibrated acceptance table: the
 // per-round part of the auto policy that ran in Python (sapwood.tree.grow with
-// AcceptanceModel.chance, and AcceptanceModel.expected_tokens): on a 2-core Zen 3 (8 rows of
-// 4, 16 nodes, timeit in one run, the binding included) growth 83-95 -> 4.4 us, E 14 -> 1.5 us.
+// AcceptanceModel.chance, and AcceptanceModel.expected_tokens), which cost a round far more
+// there than here.
 // python/sapwood/tree.py's grow is the oracle: the same pops
 // in the same order, the same doubles (tests/test_policy.py compares them with ==).
 #pragma once

@@ -160,8 +160,8 @@ class ModelDrafter:
         restored, n = self._resumed, self.prompt_cache_len
         self._resumed = 0
         if self._synced == 0 and not self._pending and 0 < n <= len(todo):
-            # an identical earlier prompt's state is restored (at 2K tokens the draft's own
-            # prefill took ~65 ms on a 2-core Zen 3, twice a 64-token request's decode)
+            # an identical earlier prompt's state is restored (a long prompt's draft prefill
+            # costs more than a short request's whole decode)
             _, hit = self.model._restore_or_prefill(todo[:n])
             restored = n if hit else 0
             self._synced, todo = n, todo[n:]
@@ -179,9 +179,8 @@ class ModelDrafter:
             kept = self.engine.keep_draft(committed)
             rest, self._pending = self._pending + committed[kept:], []
             # what the chain did not cover (after a fully kept chain, its last pick) goes in
-            # with the next chain's first forward: a prefill of its own cost ~170 us a round
-            # on the bundled pair, the larger first forward ~80 us (code-docstring, chain:
-            # draft + advance 0.80-0.83 -> 0.76 ms a round; six prompts +1.4..+4.9% decode)
+            # with the next chain's first forward: a prefill of its own costs a round more
+            # than what it adds to that forward
             if len(rest) <= self.engine.max_draft_prefix:
                 self._pending = rest
             else:

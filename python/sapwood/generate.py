@@ -224,8 +224,8 @@ class Decoder:
         self.req = self.policy.request(len(self.context), cfg.rows)
         if hasattr(self.drafter, "sync"):
             # A draft model takes in the prompt when it first drafts, as a catch-up: the first
-            # token does not wait for it (chain and auto requests' time to first token was 28%
-            # longer than plain decoding's), and a request that never drafts never pays it.
+            # token does not wait for it (waiting, chain and auto requests' time to first token
+            # was well above plain decoding's), and a request that never drafts never pays it.
             self._behind = len(self.context)
             self._prompt_pending = True  # the first catch-up is the draft's prefill
         root = self._pick(logits, len(self.context), self.context)
@@ -282,8 +282,8 @@ class Decoder:
                 if mode != "off" and not self._drafted[0]:
                     # nothing drafted (a plain round, a tree of width 1): the drafter catches
                     # up when it next drafts. Advanced at every round, a draft model ran a
-                    # forward a token for nothing: verify="tree", width=1 decoded at 0.70 of
-                    # plain decoding on a 2-core Zen 3 (width study, depth 1)
+                    # forward a token for nothing: verify="tree", width=1 decoded well below
+                    # plain decoding's speed
                     self._unsent.extend(committed)
                     self._behind += len(committed)
                 elif self.drafter is not None:

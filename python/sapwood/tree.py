@@ -44,8 +44,7 @@ class Tree:
     def child(self, node: int, token: int) -> int:
         """The child of `node` carrying `token`, or -1 (candidates in a row are distinct)."""
         if self._children is None:  # built on the first lookup, as a walk makes one per
-            # token: with a numpy search of the whole tree per lookup the walk's Python took
-            # 74 us a round, 66 with the dict (non-english, chain, 10 requests)
+            # token: a numpy search of the whole tree per lookup made the walk's Python slower
             self._children = {(p, t): i for i, (p, t) in
                               enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
         return self._children.get((int(node), int(token)), -1)

@@ -49,9 +49,8 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
     arms = {"A": arm_a, "B": arm_b}
     # Each arm learns its own speculation policy (width rules: costs, calibration, draft
     # lengths), as a server running that configuration would. Shared, the chain arm's rounds
-    # set the draft length the auto arm's requests started from: replayed on the padded
-    # target's cohort (bench/replay_width.py --one-rule), auto / chain x1.042 shared against
-    # x1.077 apart (the chain x1.027 faster shared, auto x0.994).
+    # set the draft length the auto arm's requests started from, which sped the chain arm and
+    # narrowed the auto / chain ratio (replayed: bench/replay_width.py --one-rule).
     policy = {"A": {}, "B": {}}
     per_prompt = []
     for p in prompts:
@@ -63,7 +62,7 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
                 if s["tokens"] != ref:
                     raise AssertionError(f"{p['id']}: arm {name} output differs in warm-up")
         # the output once a prompt: every sample is checked equal to it (per-sample copies made
-        # a 5-process, 12-block record 7.7 MB)
+        # the record many times larger)
         rec = {"id": p["id"], "kind": p["kind"], "tokens": ref, "blocks": []}
         for b in range(blocks):
             order = "ABBA" if b % 2 == 0 else "BAAB"
