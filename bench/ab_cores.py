@@ -5,6 +5,11 @@ output checked bitwise equal between the builds.
 
     python bench/ab_cores.py OLD_CORE NEW_CORE [--isa amx avx512] [--weights q8 q4] [--blocks 8]
                              [--rows 1 2 16] [--no-engine] [--threads 1 --fastest]
+                             [--attention 4096 32768]
+
+--attention CTX...: instead, tree attention of --rows rows over CTX int8 positions (the shape's
+heads, one layer, engine_table.py's bench_attention inputs). A change of numerics is allowed
+there: the builds' outputs are compared by their largest difference, printed, not bitwise.
 
 OLD_CORE / NEW_CORE: paths of built _core extension files (`_core.cpython-*.so`). Two pybind11
 modules that register the same types must not share pybind11's internals: build one of them
@@ -78,6 +83,43 @@ def report(t: dict, label: str) -> list[str]:
     return lines
 
 
+def attention(cores: dict, isas, ctxs, rows_list, blocks: int, threads: int, lines: list) -> None:
+    """Tree attention, old build against new, at each context and row count (threads 0: all)."""
+    n_q, n_kv, d = SHAPE["num_heads"], SHAPE["num_kv_heads"], SHAPE["head_dim"]
+    for ctx in ctxs:
+        rng = np.random.default_rng(3)
+        seqs = {}
+        hist = [rng.standard_normal((min(4096, ctx - a), n_kv, d)).astype(np.float32)
+                for a in range(0, ctx, 4096)]
+        for b, c in cores.items():
+            pool = c.KVPagePool(num_pages=ctx // 64 + 2, page_size=64, n_kv_heads=n_kv, head_dim=d)
+            seq = c.KVSequence(pool)
+            for x in hist:
+                seq.append(x, x)
+            seqs[b] = (pool, seq)
+        big = max(rows_list)
+        parents = np.array([-1] + [int(rng.integers(max(0, i - 3), i)) for i in range(1, big)])
+        q = rng.standard_normal((big, n_q, d)).astype(np.float32)
+        k = rng.standard_normal((big, n_kv, d)).astype(np.float32)
+        for isa in isas:
+            for c in cores.values():
+                c.set_isa(isa)
+            arms = {}
+            for rows in rows_list:
+                p = parents[:rows] if rows > 1 else parents[:1]
+                outs = {b: cores[b].tree_attention(seqs[b][1], q[:rows], k[:rows], k[:rows], p)
+                        for b in cores}
+                diff = float(np.abs(outs["old"] - outs["new"]).max())
+                lines.append(f"{isa} attention ctx {ctx} rows {rows}: max |old - new| {diff:.3g}")
+                for b in cores:
+                    arms[(b, rows)] = (lambda b=b, rows=rows, p=p: cores[b].tree_attention(
+                        seqs[b][1], q[:rows], k[:rows], k[:rows], p, threads=threads))
+            print("\n".join(lines[-len(rows_list):]), flush=True)
+            lines += report(alternate(arms, blocks, 3 if ctx <= 8192 else 1),
+                            f"{isa} attention ctx {ctx} rows")
+            print("\n".join(lines[-len(rows_list):]), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old")
@@ -91,11 +133,15 @@ def main(argv=None) -> None:
     ap.add_argument("--fastest", action="store_true",
                     help="matmul samples: the fastest of 20 calls (default: the mean of 10)")
     ap.add_argument("--smoke", action="store_true", help="one toy matrix, no engine (tests)")
+    ap.add_argument("--attention", nargs="+", type=int, default=None, metavar="CTX")
     a = ap.parse_args(argv)
     cores = {"old": load_core("sapwood_old", a.old), "new": load_core("sapwood_new", a.new)}
     isas = a.isa or [cores["new"].isa()]
     rng = np.random.default_rng(0)
     lines = [f"threads {a.threads or cores['new'].get_num_threads()}"]
+    if a.attention:
+        attention(cores, isas, a.attention, a.rows, a.blocks, a.threads, lines)
+        return
     for isa in isas:
         for c in cores.values():
             c.set_isa(isa)

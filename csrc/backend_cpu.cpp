@@ -141,10 +141,12 @@ void CpuBackend::attend(int a, Act q, const BatchLayout& lay, Act out) {
       kv_roundtrip(tape.v.data() + r * D, D, dt, vt_.data() + r * D);
     }
     kt = kt_.data(), vt = vt_.data();
+    if (dt == KVDtype::Int8) quantize_tree_keys(tape.k.data(), size_t(n) * Hkv, D, &kq_, &ks_);
   }
   AttnProblem pb{n, Hq, Hkv, D, q.p, out.p, lay.row_len.data(), lay.hist_len, seq_.get(),
                  a, kt, vt, lay.anc.data(), lay.anc_stride, kAttnSplit,
                  1.0f / std::sqrt(float(D))};
+  if (!lay.prefill && pool_->dtype() == KVDtype::Int8) pb.kq_tree = kq_.data(), pb.ks_tree = ks_.data();
   kernels().tree_attention(pb, threads_);
 }
 

@@ -80,6 +80,8 @@ class CpuBackend final : public Backend {
   std::vector<std::vector<GDNLayer::Token>> kept_;  // [slot][layer], buffers reused
   std::vector<std::vector<float>> bufs_;
   std::vector<float> kt_, vt_;  // the tree rows' keys and values as the cache will hold them
+  std::vector<int8_t> kq_;      // the tree rows' keys in int8 (int8 pools), as pages hold them
+  std::vector<float> ks_;
   QActs acts_;
 };
 

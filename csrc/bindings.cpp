@@ -59,6 +59,12 @@ py::array_t<float> tree_attention_py(KVSequence& seq, py::handle q_obj, py::hand
   AttnProblem pb{N, Hq, Hkv, D, q.data(), out.mutable_data(), row_len.data(), seq.length(), &seq,
                  layer, kt.data(), vt.data(), anc.data(), stride, split,
                  1.0f / std::sqrt(float(D))};
+  std::vector<int8_t> kq;
+  std::vector<float> ks;
+  if (pool.dtype() == KVDtype::Int8) {
+    quantize_tree_keys(k.data(), size_t(N) * Hkv, D, &kq, &ks);
+    pb.kq_tree = kq.data(), pb.ks_tree = ks.data();
+  }
   {
     py::gil_scoped_release release;
     kernels().tree_attention(pb, threads);

@@ -27,6 +27,14 @@ void kv_roundtrip(const float* x, int dim, KVDtype dtype, float* out) {
   dequantize_int8(q, s, dim, out);
 }
 
+void quantize_tree_keys(const float* x, size_t rows, int dim, std::vector<int8_t>* q,
+                        std::vector<float>* scale) {
+  q->resize(rows * dim);
+  scale->resize(rows * (dim / kKVGroup));
+  for (size_t r = 0; r < rows; ++r)
+    quantize_int8(x + r * dim, dim, q->data() + r * dim, scale->data() + r * (dim / kKVGroup));
+}
+
 KVPagePool::KVPagePool(int num_pages, int page_size, int n_layers, int n_kv_heads, int head_dim,
                        KVDtype dtype)
     : num_pages_(num_pages), page_size_(page_size), n_layers_(n_layers),

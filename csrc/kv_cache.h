@@ -20,6 +20,9 @@ void quantize_int8(const float* x, int dim, int8_t* q, float* scale);
 void dequantize_int8(const int8_t* q, const float* scale, int dim, float* out);
 // What a query sees of a key or value: x -> dequantize(quantize(x)), or x itself for f32.
 void kv_roundtrip(const float* x, int dim, KVDtype dtype, float* out);
+// quantize_int8 of `rows` rows of dim into *q [rows][dim] and *scale [rows][dim / 32] (resized).
+void quantize_tree_keys(const float* x, size_t rows, int dim, std::vector<int8_t>* q,
+                        std::vector<float>* scale);
 
 class KVPagePool {
  public:

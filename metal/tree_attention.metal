@@ -6,6 +6,9 @@
 // row's ancestors and itself, at positions >= hist_len) differ per row and are read from the
 // tree's own int8 buffer through the row's ancestor list.
 //
+// Queries are int8-roundtripped like a key (kv_quant.metal's rule, per 32 dims: lane l holds
+// dim l of each group, so a group's amax is one simd_max): the CPU's int8-query scores
+// (csrc/kernels/tree_attention_q8.inc) in float arithmetic, equal up to float rounding.
 // Canonical order (fixed by positions and dims; never by N, the tree shape or nsg):
 //   score(key) = simd_sum over lanes of [lane l: fma over dims d = l, l+32, ... in order of
 //                q[d] * (float(k[d]) * kscale[d/32])], times scale;
@@ -77,7 +80,9 @@ kernel void tree_attn_partial(
     const int i = min(pair / grp, p.n_rows - 1), h = kvh * grp + pair % grp;
     for (int t = 0; t < dpl; ++t) {
       acc[pp][t] = 0.0f;
-      qr[pp][t] = q[(i * Hq + h) * D + lane + SW_SIMD * t];
+      const float x = q[(i * Hq + h) * D + lane + SW_SIMD * t];
+      const float qs = simd_max(abs(x)) / 127.0f;
+      qr[pp][t] = qs == 0.0f ? 0.0f : clamp(rint(x / qs), -127.0f, 127.0f) * qs;
     }
   }
 

@@ -1,5 +1,5 @@
 // Tree attention over int8 KV pages, split-K: the SYCL twin of metal/tree_attention.metal,
-// with the same canonical order (see that file's header): per key, a lane-strided fma dot and
+// with the same int8-roundtripped queries and canonical order (see that file's header): per key, a lane-strided fma dot and
 // a sub-group sum; per 32-position tile, a sub-group max and sum; acc by fma in key order with
 // lane owning dims lane, lane + 32, ...; chunks merged in chunk order.
 //
@@ -36,7 +36,9 @@ void tree_attn_partial(const It& it, const AttnArgs& a, int8_t* smem) {
     const int i = imin(pair / grp, a.n_rows - 1), h = kvh * grp + pair % grp;
     for (int t = 0; t < dpl; ++t) {
       acc[pp][t] = 0.0f;
-      qr[pp][t] = a.q[(i * Hq + h) * D + lane + kSimd * t];
+      const float x = a.q[(i * Hq + h) * D + lane + kSimd * t];
+      const float qs = sg_max(it, fabs(x)) / 127.0f;
+      qr[pp][t] = qs == 0.0f ? 0.0f : clampf(rint(x / qs), -127.0f, 127.0f) * qs;
     }
   }
 

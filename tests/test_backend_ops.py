@@ -30,7 +30,7 @@ from sapwood.reference import ops, quant
 from sapwood.reference.gdn import GDNReference, silu
 from sapwood.reference.model import rope, sigmoid
 from sapwood.reference.ranking import logsumexp
-from sapwood.reference.tree_attention import tree_attention_naive
+from sapwood.reference.tree_attention import int8_queries, tree_attention_naive
 from sapwood.testing import make_tiny_checkpoint
 from util import ISAS, TREES, assert_close, isa, logit_rows, path_to
 
@@ -246,8 +246,9 @@ class Oracle:
 
     def forward(self, att, gdn, parents):
         q, k, v = att
-        a = tree_attention_naive(q, refkv.roundtrip(self.k), refkv.roundtrip(self.v), refkv.roundtrip(k),
-                                 refkv.roundtrip(v), parents)
+        a = tree_attention_naive(int8_queries(q), refkv.roundtrip(self.k),
+                                 refkv.roundtrip(self.v), refkv.roundtrip(k), refkv.roundtrip(v),
+                                 parents)
         g = self.gdn.verify(*gdn, parents)
         self.tape = (k, v)
         return a, g.reshape(len(parents), -1)
@@ -270,7 +271,8 @@ def test_forward_state(checkpoint, backend, rng, tree):
     """Int8 KV quantize-and-store, tree attention over pages + the tree, GDN conv and
     recurrence along paths, commit of a path (KV rows, the leaf's state, the conv window),
     against the float64 oracle over three rounds after a two-chunk prefill; within the backend
-    a node's outputs equal the chain's on its path bitwise."""
+    a node's outputs equal the chain's on its path bitwise. Queries are int8-roundtripped like
+    keys on every backend (reference/tree_attention.py's int8_queries)."""
     dims, weights, cfg = checkpoint
     ops_ = make_ops(checkpoint, backend)
     ref = Oracle(cfg, weights)

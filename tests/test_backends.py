@@ -23,7 +23,11 @@ from util import path_to, random_tree
 
 GPU = [b for b in sapwood.available_backends() if b != "cpu"]
 pytestmark = pytest.mark.skipif(not GPU, reason="this build has no GPU backend")
-REL_TOL = {"f32": 2e-3, "bf16": 2e-3, "q8": 3e-2, "q4": 3e-2}
+# q8: the backends' q8 matmuls differ in last bits (1.1e-2 of the logit scale before the
+# attention scores took int8 queries), and int8 queries turn a last-bit difference at a rounding
+# boundary into a whole step of the query's grid: measured 3.1e-2 (prefill) and 1.3e-2 (tree)
+# with them; 6e-2 keeps the margin.
+REL_TOL = {"f32": 2e-3, "bf16": 2e-3, "q8": 6e-2, "q4": 3e-2}
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention",
           "full_attention"]
 

@@ -3,7 +3,12 @@
 Oracle tolerance (f32 weights): the engine runs float32 end to end, the reference float64; over
 4 layers of a width-64 model the logit error stays ~1e-5 against logits of size ~5. 2e-4 times
 max(1, |logit|max) leaves margin and still fails on any wrong formula (those move logits by
-1e-2 or more).
+1e-2 or more). With int8 KV the queries are int8-rounded too (reference/tree_attention.py
+int8_queries): where the engine's float32 query dim and the reference's float64 one straddle a
+rounding boundary of that grid (a last-bit difference, about 1e-5 of the dims), the dim moves by
+a whole step, amax / 127 of its group, and the logits by up to ~3e-4 of their scale (measured
+2.8e-4 on one decode step here, ~1e-6 on the others); INT8_TOL = 1e-3 keeps the margin and
+still fails on a wrong formula.
 """
 import json
 
@@ -39,20 +44,23 @@ def scale(x):
     return max(1.0, float(np.abs(x).max()))
 
 
+TOL, INT8_TOL = 2e-4, 1e-3  # of scale(logits): f32 KV, int8 KV (the module docstring says why)
+
+
 @pytest.mark.parametrize("kv", ["f32", "int8"])
 def test_matches_reference_prefill_and_decode(ckpt, kv):
     model = sapwood.load(ckpt, weights="f32", kv=kv)
     ref = reference(ckpt, kv_int8=(kv == "int8"))
     toks = prompt(40)
     got, want = model.engine.prefill(toks, all_logits=True), ref.prefill(toks)
-    tol = 2e-4 * scale(want)
-    assert np.abs(got - want).max() <= tol
+    tol = TOL if kv == "f32" else INT8_TOL
+    assert np.abs(got - want).max() <= tol * scale(want)
     t = int(np.argmax(got[-1]))
     for _ in range(12):
         got = model.engine.verify([t], [-1])[0]
         model.engine.commit([0])
         want = ref.step(t)
-        assert np.abs(got - want).max() <= 2e-4 * scale(want)
+        assert np.abs(got - want).max() <= tol * scale(want)
         t = int(np.argmax(want))
 
 
@@ -65,13 +73,13 @@ def test_tree_verify_matches_reference(ckpt):
     parents = random_tree(12, 5)
     tree = prompt(12, seed=2)
     got, want = model.engine.verify(tree, parents), ref.verify(tree, parents)
-    assert np.abs(got - want).max() <= 2e-4 * scale(want)
+    assert np.abs(got - want).max() <= INT8_TOL * scale(want)
     path = path_to(parents, 11)
     model.engine.commit(path)
     ref.commit(path)
     assert model.engine.position == 30 + len(path)
     got, want = model.engine.verify([7], [-1]), ref.verify([7], [-1])
-    assert np.abs(got - want).max() <= 2e-4 * scale(want)
+    assert np.abs(got - want).max() <= INT8_TOL * scale(want)
 
 
 @pytest.mark.parametrize("weights", ["q8", "f32"])

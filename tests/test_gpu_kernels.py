@@ -7,7 +7,7 @@ rendezvous (emu/fiber.hpp). Real devices join when their host library is present
 (SAPWOOD_METAL_LIB / SAPWOOD_SYCL_LIB, see tests/gpu_util.py).
 
 Tolerances are the CPU tests' (test_tree_attention.py, test_gdn.py give the reasoning): 1e-4 for
-attention, 2e-4 for GDN, bitwise for int8 quantization and for q8 (integer dots; the two final
+attention (against the int8-query oracle, as the kernels round queries like keys), 2e-4 for GDN, bitwise for int8 quantization and for q8 (integer dots; the two final
 float products in the same order as the numpy model). Within a backend the invariances are
 bitwise: a node's output is the same in a tree, in its chain, and alone after its ancestors were
 committed. Mutation tests delete a barrier or a simdgroup reduction from a kernel and require
@@ -29,7 +29,7 @@ import pytest
 import gpu_util as gu
 from sapwood.reference import kv as refkv
 from sapwood.reference.gdn import GDNReference
-from sapwood.reference.tree_attention import tree_attention_naive
+from sapwood.reference.tree_attention import int8_queries, tree_attention_naive
 from util import TREES, assert_close, path_to, random_tree
 
 pytestmark = pytest.mark.skipif(not gu.compiler_available(), reason=f"no {gu.CXX}: the kernel emulator needs it")
@@ -123,7 +123,8 @@ def attention_error(b, shape, p, tree, split):
     q, k, v = tree_inputs(shape, len(parents), p + len(parents))
     out = b.tree_attention(q, kv, k, v, parents, split=split)
     kh, vh = kv.gather()
-    ref = tree_attention_naive(q, kh, vh, refkv.roundtrip(k), refkv.roundtrip(v), parents)
+    ref = tree_attention_naive(int8_queries(q), kh, vh, refkv.roundtrip(k), refkv.roundtrip(v),
+                               parents)
     return float(np.max(np.abs(out - ref)))
 
 
@@ -151,8 +152,9 @@ def test_attention_row_blocks(backend):
     q, k, v = tree_inputs(shape, len(parents), 3)
     out = backend.tree_attention(q, kv, k, v, parents, split=64)
     kh, vh = kv.gather()
-    assert_close(out, tree_attention_naive(q, kh, vh, refkv.roundtrip(k), refkv.roundtrip(v), parents),
-                 ATTN_ATOL, "row blocks")
+    ref = tree_attention_naive(int8_queries(q), kh, vh, refkv.roundtrip(k), refkv.roundtrip(v),
+                               parents)
+    assert_close(out, ref, ATTN_ATOL, "row blocks")
     solo = backend.tree_attention(q[:1], kv, k[:1], v[:1], [-1], split=64)
     assert (solo[0] == out[0]).all()
 
@@ -385,13 +387,15 @@ MUTANTS = {
     "metal-attn-barrier-loaded": ("metal", "attention", lambda t: _delete(t, BARRIER_M, 0)),
     "metal-attn-barrier-consumed": ("metal", "attention", lambda t: _delete(t, BARRIER_M, 1)),
     "metal-attn-simd_sum": ("metal", "attention", lambda t: _delete(t, "simd_sum(", 0, "(")),
-    "metal-attn-simd_max": ("metal", "attention", lambda t: _delete(t, "simd_max(", 0, "(")),
+    # the tile's score max (the kernel's first simd_max is the query's int8 amax)
+    "metal-attn-simd_max": ("metal", "attention", lambda t: _delete(t, "simd_max(", 1, "(")),
     "metal-kv-simd_max": ("metal", "kv", lambda t: _delete(t, "simd_max(", 0, "(")),
     "metal-gdn-barrier-recur": ("metal", "gdn", lambda t: _delete(t, BARRIER_M, 2)),
     "metal-gdn-barrier-commit": ("metal", "gdn", lambda t: _delete(t, BARRIER_M, 5)),
     "metal-q8-barrier": ("metal", "q8", lambda t: _delete(t, BARRIER_M, 0)),
     "sycl-attn-barrier": ("sycl", "attention", lambda t: _delete(t, "barrier(it);", 0)),
-    "metal-attn-early-return": ("metal", "attention", _early_return("tree_attn_partial", "tid == 37")),
+    # a whole simdgroup, so that the first sync point it skips is a barrier, not a simd_max
+    "metal-attn-early-return": ("metal", "attention", _early_return("tree_attn_partial", "tid / 32 == 1")),
     "metal-kv-lane-return": ("metal", "kv", _early_return("kv_quantize", "lane == 7")),
 }
 
@@ -446,7 +450,7 @@ def test_mutant_is_caught(mutants, name):
 
 
 def test_early_return_before_barrier_is_reported(mutants):
-    with pytest.raises(gu.EmuError, match=r"partial barrier.*only 255 of 256 threads.*thread 37 returned"):
+    with pytest.raises(gu.EmuError, match=r"partial barrier.*only 224 of 256 threads.*thread 32 returned"):
         attention_error(mutants["metal-attn-early-return"], SMALL, 100, "random1", 64)
 
 

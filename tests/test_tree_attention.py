@@ -1,11 +1,15 @@
 """Tree attention over int8 KV pages: numpy oracle, then bitwise invariances.
 
-Tolerance for the oracle: the kernel computes in float32 (sequential fmaf over dims for each
-score, sequential sums over keys) and the reference in float64 on the same dequantized keys and
-values. Outputs are convex combinations of values of size ~1-4, and float32 sums of up to 8208
-terms carry relative error well under 1e-5 in practice (about sqrt(n) * 6e-8 each); 1e-4
-absolute leaves a wide margin yet fails on any real bug (a wrong mask, key or scale moves
-outputs by 1e-2 or more).
+Tolerance for the oracle: over an int8 pool the kernel scores int8 queries against the int8
+keys (exact int32 dot per 32-dim group, then a float32 fmaf over the groups), so the oracle is
+the float64 softmax over the same operands: int8_queries(q), the dequantized keys and values.
+What is left is float32 rounding (8 group terms per score, sequential sums over up to 8208
+keys); outputs are convex combinations of values of size ~1-4 whose float32 error is well
+under 1e-5 in practice (about sqrt(n) * 6e-8 each); 1e-4 absolute leaves a wide margin yet
+fails on any real bug (a wrong mask, key or scale moves outputs by 1e-2 or more).
+
+Against the fp32 queries the error is the query quantization's, bounded in
+test_int8_query_error_bound.
 """
 import functools
 
@@ -14,7 +18,8 @@ import pytest
 
 from sapwood import _core
 from sapwood.reference import kv as refkv
-from sapwood.reference.tree_attention import tree_attention_naive, tree_attention_split
+from sapwood.reference.tree_attention import (int8_queries, tree_attention_naive,
+                                               tree_attention_split)
 from util import ISAS, TREES, assert_close, isa, path_to, random_tree
 
 SMALL = (4, 2, 64)      # Hq, Hkv, D
@@ -53,7 +58,8 @@ def check_oracle(shape, p, tree, split):
     parents = TREES[tree]
     q, k, v = tree_inputs(shape, len(parents), p + len(parents))
     out = _core.tree_attention(seq, q, k, v, parents, split=split)
-    ref = tree_attention_naive(q, kh, vh, refkv.roundtrip(k), refkv.roundtrip(v), parents)
+    ref = tree_attention_naive(int8_queries(q), kh, vh, refkv.roundtrip(k), refkv.roundtrip(v),
+                               parents)
     assert_close(out, ref, ATOL, f"P={p} tree={tree} split={split}")
 
 
@@ -78,6 +84,38 @@ def test_oracle_realistic_shape_split64(tree):
 @pytest.mark.parametrize("p", [0, 33, 1000])
 def test_oracle_head_dim_96(p):
     check_oracle(ODD_DIM, p, "random1", 512)
+
+
+@pytest.mark.parametrize("q_scale", [1.0, 8.0])  # 8: sharp softmaxes, scores of size ~30
+@pytest.mark.parametrize("shape", [SMALL, REALISTIC])
+def test_int8_query_error_bound(shape, q_scale):
+    """Against the float64 softmax over the fp32 queries. Quantizing a query moves each of its
+    scores by delta_j = scale * (q - q8) . k_j, and |delta_j| <= scale * sum over groups of
+    (qs_g / 2) * sum |k_j| in the group (half a step per dim). Softmax weights then change by a
+    factor in [exp(-2 d), exp(2 d)] for d = max_j |delta_j|, so an output moves by at most
+    (exp(2 d) - 1) * max_j |v_j|: asserted per (row, head) with the d of its own visible keys,
+    plus ATOL for the float32 rounding. The bound holds for any data; the typical error is far
+    below it (random signs: about sqrt(D) times one step, not D)."""
+    hq, hkv, d = shape
+    _, seq, kh, vh = history(shape, 1000)
+    parents = TREES["random1"]
+    q, k, v = tree_inputs(shape, len(parents), 21)
+    q = q * np.float32(q_scale)
+    out = _core.tree_attention(seq, q, k, v, parents)
+    kt, vt = refkv.roundtrip(k), refkv.roundtrip(v)
+    ref = tree_attention_naive(q, kh, vh, kt, vt, parents)
+    dq = (q.astype(np.float64) - int8_queries(q)) / np.sqrt(d)
+    for i in range(len(parents)):
+        path = path_to(parents, i)
+        keys = np.concatenate([kh, kt[path]]).astype(np.float64)    # [P + depth, Hkv, D]
+        vals = np.concatenate([vh, vt[path]]).astype(np.float64)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            delta = np.abs(keys[:, kv] @ dq[i, h]).max()
+            bound = np.expm1(2 * delta) * np.abs(vals[:, kv]).max() + ATOL
+            err = np.abs(out[i, h] - ref[i, h]).max()
+            assert err <= bound, f"row {i} head {h}: {err:.3g} > bound {bound:.3g}"
+    assert np.abs(out - ref).max() > ATOL  # the quantization is there to be bounded
 
 
 def test_split_reference_matches_naive():

@@ -11,7 +11,9 @@ namespace sapwood {
 
 // Tree attention, rows are query nodes. Row i sees positions [0, row_len[i]); a position
 // p < hist_len comes from the sequence's pages, p >= hist_len from tree node
-// anc[i * anc_stride + (p - hist_len)] of k_tree / v_tree (already int8-roundtripped).
+// anc[i * anc_stride + (p - hist_len)] of k_tree / v_tree (already int8-roundtripped). An int8
+// pool's scores take int8 queries against the keys' int8 form (tree_attention_q8.inc): for the
+// tree nodes that is kq_tree / ks_tree, quantize_int8 of the same keys the pages would store.
 struct AttnProblem {
   int n_rows, n_q_heads, n_kv_heads, head_dim;
   const float* q;        // [n_rows][n_q_heads][head_dim], rotary applied
@@ -26,6 +28,8 @@ struct AttnProblem {
   int anc_stride;
   int split;             // positions per split-K chunk, a multiple of kAttnTile
   float scale;
+  const int8_t* kq_tree = nullptr;  // [n_tree][n_kv_heads][head_dim] (int8 pools)
+  const float* ks_tree = nullptr;   // [n_tree][n_kv_heads][head_dim / 32]
 };
 constexpr int kAttnTile = 32;       // keys per tile; tiles are aligned to absolute positions
 constexpr int kAttnRowBlock = 16;   // rows whose partials are held at once

@@ -19,7 +19,7 @@ import numpy as np
 from .gdn import GDNReference, silu
 from .kv import roundtrip
 from .tree import check_parents, check_path, depths
-from .tree_attention import tree_attention_naive
+from .tree_attention import int8_queries, tree_attention_naive
 
 LINEAR, FULL = "linear_attention", "full_attention"
 SUPPORTED_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -270,7 +270,8 @@ class ReferenceModel:
 
     kv_int8: keys and values go through the int8 round trip (float32, groups of 32 dims) when
     they are computed, so every query, tree nodes included, sees the dequantized values, as in
-    the runtime's paged int8 KV cache.
+    the runtime's paged int8 KV cache; the queries go through it too, as the runtime's int8
+    scores take them (tree_attention.int8_queries).
     """
 
     def __init__(self, config: dict | ModelConfig, weights: dict, kv_int8: bool = False,
@@ -342,6 +343,7 @@ class ReferenceModel:
         if self.kv_int8:  # what the cache stores is what every query sees, this node's own too
             k = roundtrip(k.astype(np.float32)).astype(np.float64)
             v = roundtrip(v.astype(np.float32)).astype(np.float64)
+            q = int8_queries(q.astype(np.float32)).astype(np.float64)
         self._tape[i] = (k, v)
         k_hist, v_hist = self.kv[i]
         # GQA (query head h reads KV head h // (Hq/Hkv), as HF repeat_kv) and scale D^-0.5 live

@@ -4,6 +4,12 @@ Shapes: q [N, Hq, D]; history k, v [P, Hkv, D]; tree k, v [N, Hkv, D]; parents [
 Query node i sees history positions [0, P) and the tree nodes on its root-to-i path (its
 ancestors and itself). GQA: query head h reads KV head h // (Hq // Hkv). Scale D^-0.5.
 
+Query precision: over int8 KV the kernels score with int8 queries, each query vector quantized
+per 32 dims exactly as a key is, from its own fp32 values (the CPU: exact integer dot products
+per group, scaled and summed over groups in float32; the GPU kernels: the same rounded query
+in float arithmetic). In exact arithmetic that is the softmax over `int8_queries(q)`: pass it
+as q to either form below. An f32 KV pool keeps fp32 queries.
+
 Two forms side by side, as in flash-linear-attention:
 - `tree_attention_naive`: one softmax over all visible keys (float64).
 - `tree_attention_split`: split-K over fixed chunks of absolute key positions; each chunk gives
@@ -13,7 +19,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kv import roundtrip
 from .tree import check_parents, path_to
+
+
+def int8_queries(q: np.ndarray) -> np.ndarray:
+    """The queries an int8 pool's scores use: each vector int8-roundtripped per 32 dims, like
+    a key (reference/kv.py), so a row's value depends only on its own fp32 query."""
+    return roundtrip(q)
 
 
 def _visible(k_hist, v_hist, k_tree, v_tree, parents, i):
