@@ -330,3 +330,14 @@ def test_ab_cores_alternates_two_builds(capsys):
     out = capsys.readouterr().out
     assert "toy 48x64 rows 1: old" in out and "toy 48x64 rows 3: old" in out
     assert out.count("over 2 blocks") == 2
+
+
+def test_ab_cores_attention_arm(capsys):
+    """--attention: tree attention of each row count under both builds, with their largest
+    output difference (0 for an A/A)."""
+    from sapwood import _core
+    bench_script("ab_cores").main([_core.__file__, _core.__file__, "--attention", "64",
+                                   "--rows", "1", "3", "--blocks", "2", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "attention ctx 64 rows 1: max |old - new| 0" in out
+    assert "attention ctx 64 rows 3: old" in out and out.count("over 2 blocks") == 2
