@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define SW_PAUSE() _mm_pause()
@@ -28,6 +30,27 @@ namespace {
 // single-threaded rows): with a shorter spin the helper slept in them, and in a VM a parked
 // vCPU then takes several rounds to come back to speed, which costs more than the spinning.
 constexpr auto kSpin = std::chrono::microseconds(2000);
+
+long long now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Whether the OS has preempted the calling thread (switched it out while it could run) since
+// this thread last asked: the sign of more runnable threads than cores (SoloPeriods). Linux
+// counts it per thread; elsewhere the answer is always no, and regions always run together.
+bool preempted_since_last_look() {
+#ifdef RUSAGE_THREAD
+  thread_local long last = -1;
+  rusage ru;
+  if (getrusage(RUSAGE_THREAD, &ru) != 0) return false;
+  const bool more = last >= 0 && ru.ru_nivcsw > last;
+  last = ru.ru_nivcsw;
+  return more;
+#else
+  return false;
+#endif
+}
 
 // Spins until ready() or kSpin has passed; returns ready().
 template <class Ready>
@@ -58,6 +81,7 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return int(workers_.size()); }
+  bool solo() const { return now_ns() < solo_until_.load(std::memory_order_relaxed); }
 
   bool start_background(std::function<void()> fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
@@ -106,6 +130,9 @@ class Pool {
       std::unique_lock<std::mutex> lk(mu_);
       done_cv_.wait(lk, [&] { return done_.load() == n; });
     }
+    const bool caller_preempted = preempted_since_last_look();
+    periods_.region(now_ns(), helper_preempted_.exchange(false) || caller_preempted);
+    solo_until_.store(periods_.until());
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -146,6 +173,7 @@ class Pool {
         }
       }
     }
+    if (self != 0 && preempted_since_last_look()) helper_preempted_.store(true);
     if (ran > 0 && done_.fetch_add(ran) + ran == total_ && self != 0) {
       { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see it done
       done_cv_.notify_all();
@@ -199,6 +227,9 @@ class Pool {
   std::atomic<int> done_{0}, sleepers_{0};  // jobs of this region run so far
   int total_ = 0;
   std::atomic<uint64_t> generation_{0};
+  SoloPeriods periods_;  // under run_mu_
+  std::atomic<bool> helper_preempted_{false};  // a helper was, since the caller last looked
+  std::atomic<long long> solo_until_{0};  // periods_.until(), read outside run_mu_
   bool stop_ = false;
   std::exception_ptr error_;
   std::function<void()> bg_fn_;      // the background task, while bg_busy_
@@ -207,6 +238,8 @@ class Pool {
 };
 
 std::atomic<int> g_default_threads{0};
+std::atomic<long long> g_solo_regions{0};
+std::atomic<bool> g_solo_enabled{true};
 std::atomic<long long> g_min_parallel_work{1LL << 15};
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
@@ -225,6 +258,10 @@ int default_threads() {
 
 void set_default_threads(int threads) { g_default_threads.store(threads > 0 ? threads : 0); }
 
+long long solo_regions() { return g_solo_regions.load(); }
+void set_solo_periods(bool enabled) { g_solo_enabled.store(enabled); }
+bool solo_periods() { return g_solo_enabled.load(); }
+
 long long min_parallel_work() { return g_min_parallel_work.load(std::memory_order_relaxed); }
 void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 ? 0 : work); }
 
@@ -236,6 +273,10 @@ void parallel_for(int n, int threads, JobRef fn) {
   if (threads <= 0) threads = default_threads();
   Pool& p = pool();
   int helpers = std::min({threads - 1, n - 1, p.size()});
+  if (helpers > 0 && g_solo_enabled.load(std::memory_order_relaxed) && p.solo()) {
+    g_solo_regions.fetch_add(1, std::memory_order_relaxed);
+    helpers = 0;
+  }
   if (helpers <= 0) {
     for (int i = 0; i < n; ++i) fn(i);
     return;

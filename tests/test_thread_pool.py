@@ -1,6 +1,7 @@
 """The thread pool's contract (csrc/thread_pool.h): every job of a region runs exactly once,
 whichever participant takes it (owners from the front of their range, others from the back once
-theirs is empty); a job's exception reaches the caller and the pool stays usable."""
+theirs is empty); a job's exception reaches the caller and the pool stays usable; solo periods
+(regions on the caller alone after a preempted one) start, double and reset as SoloPeriods says."""
 import pytest
 
 from sapwood import _core
@@ -26,3 +27,42 @@ def test_a_jobs_exception_reaches_the_caller_and_the_pool_goes_on(raise_at):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="repeats=0"):
         _core.pool_job_counts(4, 2, repeats=0)
+
+
+MS = 1_000_000  # ns
+
+
+def test_solo_periods_start_double_and_reset():
+    """(now, end, preempted) per region on a virtual clock: the answers of solo(now)."""
+    events = [(0, 1 * MS, 0),            # together, not preempted
+              (2 * MS, 3 * MS, 1),       # preempted: solo until 3 + 20 ms, next period 40
+              (10 * MS, 0, 0),           # solo
+              (22 * MS, 0, 0),           # still solo (until 23)
+              (24 * MS, 25 * MS, 1),     # together again, preempted: solo until 25 + 40
+              (64 * MS, 0, 0),           # solo (until 65): the period doubled
+              (66 * MS, 67 * MS, 0),     # together, clean: the period is 20 again
+              (68 * MS, 69 * MS, 1),     # preempted: solo until 69 + 20
+              (88 * MS, 0, 0),           # solo
+              (90 * MS, 91 * MS, 0)]     # together
+    assert _core.solo_periods_trace(events) == [False, False, True, True, False, True, False,
+                                                False, True, False]
+
+
+def test_solo_periods_cap():
+    """Preempted regions, each after the last one's period has run out, double the period
+    20, 40, ... up to its cap of 640 ms, never past it."""
+    seq = [(i * 2_000 * MS, i * 2_000 * MS, 1) for i in range(8)]
+    assert _core.solo_periods_trace(seq) == [False] * 8
+    last = seq[-1][1]
+    assert _core.solo_periods_trace(seq + [(last + 639 * MS, 0, 0)])[-1] is True
+    assert _core.solo_periods_trace(seq + [(last + 641 * MS, 0, 0)])[-1] is False
+
+
+def test_solo_regions_run_every_job_once():
+    """With solo periods on (the default outside tests), regions still run each job once."""
+    _core.set_solo_periods(True)
+    try:
+        counts, raised = _core.pool_job_counts(65, 2, repeats=50)
+        assert counts == [50] * 65 and raised == 0
+    finally:
+        _core.set_solo_periods(False)
