@@ -3,11 +3,13 @@ through the real decoder on a virtual clock (bench/replay_width.py with `--pytho
 time, so two runs of one build print the same digits), one summary line each.
 
     python bench/replay_suite.py [--quiet] [--only NAME] [--old REV] [--table] [--seeds N]
+                                 [--noise verify_noise.json]
 
 Recordings from three hosts: bench/results/zen3_avx2/ (a 2-core Zen 3, AVX2 only; stops
 29-31), bench/results/zen4_vnni/ (a 2-core Zen 4 with AVX-512 VNNI) and bench/results/xeon_amx/
 (a 2-core Xeon with AVX-512 and AMX), the last two with the engine on one thread (issue 39).
-Costs are the recording host's, acceptance the bundled pair's. Each line: auto against the
+Costs are the recording host's (charged as the policy prices its own timings: a low quantile,
+no size dearer than a larger one; replay_width.charged), acceptance the bundled pair's. Each line: auto against the
 best of plain decoding, the chain and every fixed width 1-16, per context (warm: the mean of
 requests after the first; first: a fresh state's first request against the best arm's own
 first, cold against cold; reloaded: auto's first request on a state saved and reloaded
@@ -66,16 +68,25 @@ SUITE = [
      dict(UNPADDED, max_tokens=64)),
     ("amx bundled cohort", [os.path.join(XA, "replay_cohort_unpadded.json")],
      dict(UNPADDED, shared=True)),
+    # recordings that kept every timing (issue 39, stop 42): charged at the policy's quantile
+    ("amx bundled depths, every timing", [os.path.join(XA, f) for f in (
+        "replay_depths_unpadded_alltimes.json", "replay_depth32k_unpadded_alltimes.json")],
+     dict(UNPADDED, max_tokens=64)),
+    ("amx padded depths, every timing", [os.path.join(XA, "padded", "replay_depths_alltimes.json")],
+     PADDED),
+    ("amx bundled cohort, every timing", [os.path.join(XA, "replay_cohort_unpadded_alltimes.json")],
+     dict(UNPADDED, shared=True)),
 ]
 
 
-def run(name, recs, opts, quiet=True, table=None, seed=0) -> str:
+def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None) -> str:
     """The summary line of one suite entry; `table`: a list that gets its markdown rows (per
-    depth context, or the cohort's geometric means); seed: the policy's exploration draws."""
+    depth context, or the cohort's geometric means); seed: the policy's exploration draws;
+    noise: replay_width's --noise (every verify's charge scattered by a host's ratios)."""
     ratios, cohort = {}, []
     for rec in recs:
         a = SimpleNamespace(rec=rec, requests=4, max_tokens=64, widths="", python_ms=None,
-                            one_rule=False, shared=False, trace=None, noise=None, seed=seed)
+                            one_rule=False, shared=False, trace=None, noise=noise, seed=seed)
         for k, v in opts.items():
             setattr(a, k, v)
         out = io.StringIO()
@@ -142,12 +153,19 @@ def main():
                     help="replay each entry with exploration seeds 0..N-1; the table gives "
                          "median [min, max]: a replay is deterministic per seed, not stable "
                          "across seeds (one timing of another size changes what follows)")
+    ap.add_argument("--noise", default=None,
+                    help="scatter every verify's charge by the ratios in this file "
+                         "(bench/verify_noise.py): the live policy's timings on a loaded host")
     a = ap.parse_args()
     if a.old:
-        env = dict(os.environ, PYTHONPATH=old_package(a.old))
+        from sapwood.policy import PolicyParams
+
+        # the same charges as the current policy's replays (replay_width.charged)
+        env = dict(os.environ, PYTHONPATH=old_package(a.old),
+                   SAPWOOD_REPLAY_QUANTILE=str(PolicyParams().quantile))
         args = [sys.executable, __file__] + (["--quiet"] if a.quiet else []) + (
             ["--only", a.only] if a.only else []) + (["--table"] if a.table else []) + (
-            ["--seeds", str(a.seeds)])
+            ["--seeds", str(a.seeds)]) + (["--noise", a.noise] if a.noise else [])
         sys.exit(subprocess.run(args, env=env).returncode)
     table = []
     for name, recs, opts in SUITE:
@@ -156,7 +174,8 @@ def main():
                 rows = []
                 for seed in range(a.seeds):
                     rows.append([])
-                    line = run(name, recs, opts, quiet=a.quiet, table=rows[-1], seed=seed)
+                    line = run(name, recs, opts, quiet=a.quiet, table=rows[-1], seed=seed,
+                               noise=a.noise)
                     print(line if a.seeds == 1 else f"seed {seed}: {line}", flush=True)
                 table += [merge_rows(r) for r in zip(*rows)]
     if a.table:

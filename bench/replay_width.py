@@ -13,11 +13,11 @@ record: per context (the width study's context at each depth, the first N cohort
 the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
 position of it, which depends only on the context (DESIGN.md: a node's logits do not depend
 on the batch), so whatever rounds a policy runs, its drafts are these; and the costs there,
-medians of alternated timings: verify of 1..16 nodes, a draft of 1..8 rows, the draft's
-catch-up per token.
+every alternated timing (and their medians): verify of 1..16 nodes, a draft of 1..8 rows, the
+draft's catch-up per token.
 replay: a fake engine whose verify returns logits picking the recorded continuation and
-advances the clock by the recorded verify cost; a replay drafter that returns the recorded
-lattice and advances it by the draft cost. The clock (passed to the decoder) is the real one
+advances the clock by the recorded verify cost (charged(): priced as the policy prices its own
+timings); a replay drafter that returns the recorded lattice and advances it by the draft cost. The clock (passed to the decoder) is the real one
 plus those costs, so the policy's own Python still counts, measured live; with --python-ms, no
 real time at all (deterministic). Per context: fixed widths (verify="tree"), plain decoding,
 the chain and auto, each `--requests` requests in a row on one policy state per arm (as a
@@ -30,6 +30,7 @@ PYTHONPATH (bench/replay_suite.py --old).
 """
 import argparse
 import json
+import os
 import time
 import zlib
 
@@ -40,14 +41,15 @@ from sapwood.benchmarks.common import geomean
 from sapwood.drafters import Lattice
 
 
-def _median_times(fn, args, reps):
+def _alternated_times(fn, args, reps):
+    """Every timing of fn(a), reps per a, the args alternated forwards and backwards."""
     out = {a: [] for a in args}
     for r in range(reps):
         for a in (args if r % 2 == 0 else args[::-1]):
             t = time.perf_counter()
             fn(a)
             out[a].append(time.perf_counter() - t)
-    return [float(np.median(out[a])) for a in args]
+    return [out[a] for a in args]
 
 
 def record_context(model, d, name, prompt, a):
@@ -64,11 +66,13 @@ def record_context(model, d, name, prompt, a):
     eng.reset()
     eng.prefill(prompt)
     root = prompt[-1]
-    verify = _median_times(lambda n: eng.verify([root] * n, list(range(-1, n - 1))),
-                           list(range(1, 17)), a.reps)
+    verify_all = _alternated_times(lambda n: eng.verify([root] * n, list(range(-1, n - 1))),
+                                   list(range(1, 17)), a.reps)
     d.reset()
     d.sync(prompt)
-    draft = _median_times(lambda r: d.draft(prompt, root, r), list(range(1, 9)), a.reps)
+    draft_all = _alternated_times(lambda r: d.draft(prompt, root, r), list(range(1, 9)), a.reps)
+    verify = [float(np.median(v)) for v in verify_all]
+    draft = [float(np.median(v)) for v in draft_all]
     t = time.perf_counter()
     d.reset()
     d.sync(prompt)
@@ -76,7 +80,8 @@ def record_context(model, d, name, prompt, a):
     print(f"{name}: verify ms", " ".join(f"{v * 1e3:.1f}" for v in verify),
           "| draft ms", " ".join(f"{v * 1e3:.2f}" for v in draft))
     return {"name": name, "prompt_len": len(prompt), "seq": seq, "lattices": lattices,
-            "verify_s": verify, "draft_s": draft, "catch_up_per_token_s": catch_up}
+            "verify_s": verify, "draft_s": draft, "catch_up_per_token_s": catch_up,
+            "verify_all_s": verify_all, "draft_all_s": draft_all}
 
 
 def record(a):
@@ -118,12 +123,35 @@ class Clock:
         return self.extra if self.python_s is not None else time.perf_counter() + self.extra
 
 
+def charged(rec, part: str) -> list:
+    """The seconds a replay charges a verify of 1..16 nodes (part "verify") or a draft of 1..8
+    rows ("draft"), priced as the policy prices its own timings: the policy's quantile of the
+    recorded timings (a recording that kept only their medians: the medians), each capped by
+    the larger sizes' (policy.capped_by_larger): a size dearer than a larger one was timed
+    while the recording host preempted it, which the live policy does not take as its cost."""
+    raw = rec.get(f"{part}_all_s")
+    own = np.array(rec[f"{part}_s"] if raw is None else [np.quantile(v, quantile()) for v in raw])
+    return np.minimum.accumulate(own[::-1])[::-1].tolist()
+
+
+def quantile() -> float:
+    """The policy's cost quantile (PolicyParams.quantile); replay_suite.py --old passes the
+    current one, so an older policy is judged on the same charges."""
+    q = os.environ.get("SAPWOOD_REPLAY_QUANTILE")
+    if q:
+        return float(q)
+    from sapwood.policy import PolicyParams
+
+    return PolicyParams().quantile
+
+
 class FakeEngine:
     """Verify returns one-hot logits picking the recorded continuation at every node whose
     path matches it (other nodes are never walked) and costs the recorded verify time."""
 
     def __init__(self, rec, clock, vocab):
         self.rec, self.clock, self.vocab = rec, clock, vocab
+        self.verify_s = charged(rec, "verify")
         self.seq, self.plen = rec["seq"], rec["prompt_len"]
         self.max_context = self.plen + len(self.seq) + 64
         self.position = 0
@@ -139,7 +167,7 @@ class FakeEngine:
 
     def verify(self, tokens, parents):
         n = len(tokens)
-        self.clock.extra += (self.clock.scatter(self.rec["verify_s"][min(n, 16) - 1])
+        self.clock.extra += (self.clock.scatter(self.verify_s[min(n, 16) - 1])
                              + (self.clock.python_s or 0.0))
         depth = [0] * n
         for i in range(1, n):
@@ -155,6 +183,7 @@ class FakeEngine:
 class ReplayDrafter:
     def __init__(self, rec, clock):
         self.rec, self.clock = rec, clock
+        self.draft_s = charged(rec, "draft")
         self._synced = 0
 
     def set_sampling(self, temperature, seed):
@@ -174,7 +203,7 @@ class ReplayDrafter:
         p = len(context) - self.rec["prompt_len"]
         toks, lps = self.rec["lattices"][p]
         rows = min(rows, len(toks))
-        self.clock.extra += self.rec["draft_s"][rows - 1]
+        self.clock.extra += self.draft_s[rows - 1]
         # [rows, k] int64 / float64 arrays, as Engine.draft_candidates gives them
         return Lattice(tokens=np.array(toks[:rows], np.int64), logprobs=np.array(lps[:rows]))
 

@@ -4,6 +4,12 @@ from alternated verifies of a few widths at one context, for bench/replay_width.
 
     python bench/verify_noise.py --model /tmp/padded --depth 2048 [--widths 1 3 5 9] [--reps 60]
                                  [--out verify_noise.json]
+    python bench/verify_noise.py --recording rec.json [--out verify_noise.json]
+
+--recording: the ratios from a replay recording that kept every timing (replay_width.py
+record), each verify timing over its node count's charged cost (replay_width.charged: the
+policy's low quantile), so a replay with --noise charges that cost scattered as that host
+scattered it (preemption included).
 
 A replay prices every verify at its recorded median, so a policy that learns its costs from
 noisy timings (the live first request of a fresh rule) looks better replayed than live: on the
@@ -11,6 +17,8 @@ padded target at depth 2K a fixed 3-node round took 12.8-29 ms live in one width
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -23,7 +31,10 @@ def main():
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 3, 5, 9])
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default="verify_noise.json")
+    ap.add_argument("--recording", default=None, help="ratios from this replay recording")
     a = ap.parse_args()
+    if a.recording:
+        return from_recording(a)
     import sapwood
     from sapwood.benchmarks.width import depth_contexts
 
@@ -47,6 +58,21 @@ def main():
         json.dump({"model": a.model, "depth": a.depth, "widths": a.widths,
                    "medians_s": {w: float(np.median(v)) for w, v in times.items()},
                    "ratios": ratios}, f)
+
+
+def from_recording(a):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import replay_width
+
+    rec = json.load(open(a.recording))
+    ratios = sorted(t / c for ctx in rec["contexts"]
+                    for c, ts in zip(replay_width.charged(ctx, "verify"), ctx["verify_all_s"])
+                    for t in ts)
+    q = np.quantile(ratios, [0.1, 0.5, 0.9, 0.99])
+    print(f"{a.recording}: {len(ratios)} verifies, time / its charged cost: p10 {q[0]:.3f} "
+          f"p50 {q[1]:.3f} p90 {q[2]:.3f} p99 {q[3]:.3f} max {ratios[-1]:.3f}")
+    with open(a.out, "w") as f:
+        json.dump({"recording": a.recording, "ratios": ratios}, f)
 
 
 if __name__ == "__main__":

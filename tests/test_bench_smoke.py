@@ -184,6 +184,12 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
         assert names[0] == "depth 8" and names[2] == "mine" and len(names) == 3
         c = data["contexts"][0]
         assert len(c["lattices"]) == len(c["seq"]) and len(c["verify_s"]) == 16
+        # every timing kept, the medians beside them; a replay charges each size the policy's
+        # quantile of them, no size above a larger one
+        assert [len(v) for v in c["verify_all_s"]] == [1] * 16 and len(c["draft_all_s"]) == 8
+        assert c["verify_s"] == [v[0] for v in c["verify_all_s"]]
+        charged = rw.charged(c, "verify")
+        assert charged == [min(v[0] for v in c["verify_all_s"][i:]) for i in range(16)]
         sys.argv = ["replay_width", "replay", str(rec), "--requests", "2", "--widths", "1-3"]
         rw.main()
     finally:
@@ -203,6 +209,13 @@ def test_width_replay_records_and_replays_through_the_decoder(ckpt, tmp_path, ca
         sys.argv = argv
     ratios = json.loads(noise.read_text())["ratios"]
     assert len(ratios) == 6 and all(r > 0 for r in ratios) and 1.0 in ratios  # each width's median
+    try:  # or from a recording's timings: each over its charged cost, never below it
+        sys.argv = ["verify_noise", "--recording", str(rec), "--out", str(tmp_path / "n2.json")]
+        vn.main()
+    finally:
+        sys.argv = argv
+    from_rec = json.loads((tmp_path / "n2.json").read_text())["ratios"]
+    assert len(from_rec) == 3 * 16 and min(from_rec) == 1.0
     def replayed(noise_file):
         return rw.replay(SimpleNamespace(rec=str(rec), requests=2, max_tokens=6, widths="1-2",
                                          python_ms=0.2, one_rule=False, shared=False, trace=None,

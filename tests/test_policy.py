@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sapwood.drafters import Lattice
-from sapwood.policy import Acceptance, Costs, _median
+from sapwood.policy import Acceptance, Costs, PolicyParams, _median, capped_by_larger, quantile
 from sapwood.tree import chain, grow
 
 
@@ -205,9 +205,9 @@ def test_cost_fit_is_theil_sen_of_per_width_medians():
     """The verify line: slope the median of pairwise slopes between node counts' median
     timings, intercept the median residual (both clamped at 0), written out with statistics
     here; a count timed min_samples times is priced by its own median, others by the line,
-    both times the host's level."""
+    both times the host's level (costs as medians: q = 0.5)."""
     rng = np.random.default_rng(0)
-    cm = Costs(window=16, min_samples=3)
+    cm = Costs(window=16, min_samples=3, q=0.5)
     for i in range(60):
         w = int(rng.integers(1, 10)) if i else 12  # 12: timed once
         cm.observe(0, "verify", w, 1e-3 + 2e-4 * w + 1e-4 * rng.random())
@@ -217,7 +217,7 @@ def test_cost_fit_is_theil_sen_of_per_width_medians():
     b = statistics.median([(med[j] - med[i]) / (ws[j] - ws[i])
                            for i in range(len(ws)) for j in range(i + 1, len(ws))])
     a = statistics.median([t - b * w for w, t in zip(ws, med)])
-    assert cm._line(0) == (max(a, 0.0), max(b, 0.0))
+    assert cm._table(0)[0] == (max(a, 0.0), max(b, 0.0))
     # the stored timings are divided by the host's level when taken, priced at today's
     level = cm.level.get(0, 1.0)
     assert cm.verify(0, 4) == statistics.median(obs[4]) * level and len(obs[4]) >= 3
@@ -229,7 +229,7 @@ def test_cost_fit_is_theil_sen_of_per_width_medians():
 def test_costs_keep_the_last_window_timings_and_ignore_a_preempted_minority():
     """Each (band, part, size) keeps its last `window` timings; a few timings three times the
     rest (a preempted round) leave the median where it was."""
-    cm = Costs(window=8, min_samples=3)
+    cm = Costs(window=8, min_samples=3, q=0.5)
     for i in range(20):
         cm.observe(1, "verify", 4, 0.010 if i % 5 else 0.030)
     assert len(cm.t[1, "verify", 4]) == 8 and cm.verify(1, 4) == 0.010
@@ -247,7 +247,7 @@ def test_costs_follow_the_hosts_level_where_two_node_counts_agree():
     """Every count turning dearer at once (the host's load) moves the level, so a count last
     timed before the change is priced at the new level; one count alone turning dear is that
     count's cost: the others keep their price."""
-    cm = Costs(window=16, min_samples=3)
+    cm = Costs(window=16, min_samples=3, q=0.1)
     base = {n: 1e-3 * (1 + 0.2 * n) for n in (1, 4, 5, 9)}
     for _ in range(3):
         for n, t in base.items():
@@ -259,15 +259,58 @@ def test_costs_follow_the_hosts_level_where_two_node_counts_agree():
     assert cm.level[0] == pytest.approx(1.5)
     assert cm.verify(0, 9) == pytest.approx(1.5 * base[9])  # last timed before the change
     assert cm.verify(0, 4) == pytest.approx(1.5 * base[4])
-    one = Costs(window=16, min_samples=3)
+    one = Costs(window=16, min_samples=3, q=0.1)
     for _ in range(3):
         for n, t in base.items():
             one.observe(0, "verify", n, t)
-    for _ in range(6):  # count 4 alone turns dear, count 5 does not
-        one.observe(0, "verify", 4, 5 * base[4])
+    for _ in range(16):  # count 1 alone turns dear for a whole window, count 5 does not
+        one.observe(0, "verify", 1, 1.4 * base[1])
         one.observe(0, "verify", 5, base[5])
     assert one.level.get(0, 1.0) == pytest.approx(1.0)
-    assert one.verify(0, 4) == pytest.approx(5 * base[4]) and one.verify(0, 9) == base[9]
+    assert one.verify(0, 1) == pytest.approx(1.4 * base[1]) and one.verify(0, 9) == base[9]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 16, 25])
+def test_quantile_is_numpys(n):
+    rng = np.random.default_rng(n)
+    for q in (0.0, 0.1, 0.25, 0.5, 1.0):
+        xs = rng.random(n).tolist()
+        assert quantile(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=1e-12)
+
+
+def test_costs_are_a_low_quantile_that_ignores_a_preempted_majority():
+    """With the policy's quantile, a count whose timings are mostly preempted (two in three
+    at three times the cost, as on a loaded 2-core host) keeps its unpreempted cost, where
+    the median takes the preempted one; every part is priced alike."""
+    q = PolicyParams().quantile
+    low, mid = Costs(window=16, min_samples=3, q=q), Costs(window=16, min_samples=3, q=0.5)
+    for cm in (low, mid):
+        for i in range(30):
+            for part, size, t in (("verify", 4, 0.010), ("draft", 0, 1e-4), ("rest", "chain", 5e-4)):
+                cm.observe(1, part, size, t if i % 3 == 0 else 3 * t)
+    assert low.verify(1, 4) == 0.010 and mid.verify(1, 4) == 0.030
+    assert low.round(1, "chain", 4, 3) == pytest.approx(0.010 + 3e-4 + 5e-4)
+
+
+def test_a_count_is_never_priced_above_a_larger_one():
+    """A verify of more nodes does the work of fewer: a count timed dearer than a larger count
+    (preempted at every timing) is priced at the larger count's cost, and so is an untimed
+    count whose line value lies above a larger count's; capped_by_larger does it."""
+    assert capped_by_larger({1: 3.0, 2: 1.0, 5: 4.0, 9: 2.0}) == {1: 1.0, 2: 1.0, 5: 2.0, 9: 2.0}
+    cm = Costs(window=16, min_samples=3, q=0.1)
+    for _ in range(3):
+        for n, t in ((1, 1e-3), (4, 9e-3), (5, 2e-3), (8, 2.6e-3)):
+            cm.observe(0, "verify", n, t)
+    assert cm.level.get(0, 1.0) == 1.0
+    assert cm.verify(0, 4) == cm.verify(0, 5) == pytest.approx(2e-3)
+    assert cm.verify(0, 1) == pytest.approx(1e-3)  # below every larger count: its own
+    steep = Costs(window=16, min_samples=3, q=0.1)
+    for _ in range(3):
+        for n, t in ((1, 1e-3), (2, 2e-3), (3, 3e-3), (10, 4e-3)):
+            steep.observe(0, "verify", n, t)
+    a, b = steep._table(0)[0]
+    assert a + b * 8 > 4e-3 and steep.verify(0, 8) == pytest.approx(4e-3)  # the line, capped
+    assert steep.verify(0, 12) == pytest.approx(a + b * 12)  # no larger count timed: the line
 
 
 @pytest.mark.parametrize("as_array", [False, True])

@@ -186,6 +186,28 @@ def test_plan_goes_plain_when_speculation_loses_and_probes_within_budget():
     assert good.plan(0, 8) == ("chain", 8)  # all kept: the EMA stays at 8, the chain
 
 
+def test_a_wide_round_drafts_one_row_more_while_the_last_tree_reached_its_deepest_row():
+    """Wide rounds draft one row past the chain's best depth, for a tree to extend its
+    likeliest path; a wide round whose tree stopped short of its deepest row makes the next
+    one draft the chain's depth only, until a tree reaches that depth again."""
+    pol = with_chances(timed(Policy(), lambda w: 0.01 + 0.001 * w, draft_row=1e-4), [0.6, 0.3])
+    req = pol.request(64, 8)
+    for _ in range(12):
+        req.observe(2, 1, True)  # the EMA falls below ema_wide_below: wide rounds
+    assert req.wide()
+    def plan_and_best():
+        best = req.chain_plan(8, near=0.9)[0]
+        return req.plan(0, 8), best
+    (kind, rows), best = plan_and_best()
+    assert kind == "wide" and rows == best + 1 < 8
+    req.observe(rows - 1, 1, True)  # its tree stopped a row short
+    (kind, rows), best = plan_and_best()
+    assert kind == "wide" and rows == best
+    req.observe(rows, 1, True)  # this one reached the deepest row drafted
+    (kind, rows), best = plan_and_best()
+    assert kind == "wide" and rows == best + 1
+
+
 def test_the_policy_state_survives_json_and_rejects_bad_state():
     pol = with_chances(timed(Policy(), lambda w: 0.01 + 0.001 * w), [0.6, 0.3])
     req = pol.request(3000, 8)

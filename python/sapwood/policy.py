@@ -6,9 +6,9 @@ tree of w nodes grown from the drafted rows. Before drafting, the policy compare
 with the best chain depth, using what the request's rounds kept so far (a survival estimate per
 row, pooled per context band across requests); after drafting, it picks the best prefix of the
 drafter's chain and of the best-first tree, using the calibrated acceptance of each node (by
-depth, rank and the drafter's confidence). Costs are medians of recent timings per context band:
-verify by node count (times the host's level, which follows a shared host's load), draft by row,
-and the rest of a round by kind, so a preempted round moves nothing. The admission EMA is
+depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
+timings, so preempted rounds move nothing: verify by node count (times the host's level, which
+follows a shared host's load), draft by row, and the rest of a round by kind. The admission EMA is
 DESIGN.md's: trees only while the chain's acceptance is below its threshold.
 
 Every choice changes speed only: any tree's walk commits the target's own picks.
@@ -37,14 +37,33 @@ def _median(xs) -> float:
     return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
 
 
+def quantile(xs, q: float) -> float:
+    """The q-quantile of xs, linear between order statistics (numpy's default)."""
+    s = sorted(xs)
+    i = q * (len(s) - 1)
+    lo = int(i)
+    return s[lo] if lo + 1 >= len(s) else s[lo] + (s[lo + 1] - s[lo]) * (i - lo)
+
+
+def capped_by_larger(prices: dict) -> dict:
+    """Each node count's price capped by every larger count's: a verify of more nodes does the
+    work of fewer and more, so a count dearer than a larger one was timed while preempted."""
+    out, cap = {}, float("inf")
+    for n in sorted(prices, reverse=True):
+        cap = out[n] = min(prices[n], cap)
+    return out
+
+
 @dataclass
 class PolicyParams:
     ema_start: float = 8.0       # DESIGN.md: the admission EMA starts at R (all rows kept)
     ema_weight: float = 0.125    # DESIGN.md: the EMA's weight of a cycle's kept rows
     ema_wide_below: float = 6.5  # DESIGN.md: trees only while the chain keeps fewer rows than this
-    window: int = 16             # timings kept per (band, part, size): enough for a median that
-                                 # ignores a shared host's preempted rounds, recent enough to follow it
-    min_samples: int = 3         # a size timed this often is priced by its own median, else the line
+    window: int = 16             # timings kept per (band, part, size): enough for a low quantile
+                                 # to skip preempted rounds, recent enough to follow the host
+    quantile: float = 0.25       # a size's cost is this low quantile of its timings: a loaded host
+                                 # preempts many, and a preempted round is not what the size costs
+    min_samples: int = 3         # a size timed this often is priced by its own timings, else the line
     prior_strength: float = 4.0  # pseudo-counts a cell (or a request's row) borrows from the level above
     first_rows: int = 3          # rows a band drafts before any cost is timed: a short, cheap first look
     explore: float = 0.0625      # share of rounds taking a random option within 10% of the best, so
@@ -60,20 +79,22 @@ class PolicyParams:
         if not (self.window >= 1 and self.min_samples >= 1 and self.first_rows >= 1):
             raise ValueError(f"window, min_samples and first_rows must be >= 1: {self!r}")
         if not (0 <= self.explore < 1 and 0 < self.probe_budget < 1 and 0 <= self.memory <= 1
-                and self.prior_strength > 0 and self.plain_sd >= 0):
-            raise ValueError(f"explore, probe_budget, memory in [0, 1), prior_strength > 0: {self!r}")
+                and self.prior_strength > 0 and self.plain_sd >= 0 and 0 <= self.quantile <= 1):
+            raise ValueError(f"explore, probe_budget, memory in [0, 1), quantile in [0, 1], "
+                             f"prior_strength > 0: {self!r}")
         return self
 
 
 class Costs:
     """Recent seconds of the parts of a round per context band: ("verify", nodes), ("draft", 0)
     per drafted row, ("catch_up", 0) per caught-up token, ("rest", kind) the remainder of a round
-    of that kind (plain / chain / tree: picks, walk, commit, growth, Python)."""
+    of that kind (plain / chain / tree: picks, walk, commit, growth, Python). A size's cost is
+    the `q` quantile of its timings: the rounds a shared host preempted sit above it."""
 
-    def __init__(self, window: int, min_samples: int):
-        self.window, self.min_samples = window, min_samples
+    def __init__(self, window: int, min_samples: int, q: float):
+        self.window, self.min_samples, self.q = window, min_samples, q
         self.t: dict[tuple, deque] = {}
-        self._lines: dict[int, tuple | None] = {}
+        self._tables: dict[int, tuple | None] = {}
         # per band, the host's level: a shared host's load scales every node count at once, so
         # verify timings are stored divided by the level they were taken at and priced at
         # today's. Each timing of a count timed min_samples times votes timing / its median;
@@ -94,47 +115,51 @@ class Costs:
                     level = self.level[band] = _median([_median(v) for v in by_size.values()]
                                                        + [level])
             seconds /= level
-            self._lines[band] = None
+            self._tables[band] = None
         self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
 
-    def median(self, band, part, size, default=None):
+    def cost(self, band, part, size, default=None):
         xs = self.t.get((band, part, size))
-        return _median(xs) if xs else default
+        return quantile(xs, self.q) if xs else default
 
     def verify_sizes(self, band) -> list:
         return sorted(s for b, p, s in self.t if b == band and p == "verify")
 
-    def _line(self, band):
-        """Theil-Sen through the medians of each node count timed: (intercept, slope) >= 0."""
-        line = self._lines.get(band)
-        if line is None:
-            ns = self.verify_sizes(band)
-            if len(ns) < 2:
-                return None
-            med = [self.median(band, "verify", n) for n in ns]
-            b = max(_median([(med[j] - med[i]) / (ns[j] - ns[i])
-                             for i in range(len(ns)) for j in range(i + 1, len(ns))]), 0.0)
-            line = self._lines[band] = (max(_median([m - b * n for n, m in zip(ns, med)]), 0.0), b)
-        return line
+    def _table(self, band):
+        """(line, prices): Theil-Sen through the costs of the node counts timed ((intercept,
+        slope) >= 0; None below two counts), and each count's price: its own cost once timed
+        min_samples times (or with no line), else the line's, capped by every larger count's."""
+        table = self._tables.get(band)
+        if table is None:
+            ns, line = self.verify_sizes(band), None
+            own = {n: self.cost(band, "verify", n) for n in ns}
+            if len(ns) >= 2:
+                b = max(_median([(own[j] - own[i]) / (j - i)
+                                 for i in ns for j in ns if j > i]), 0.0)
+                line = (max(_median([own[n] - b * n for n in ns]), 0.0), b)
+            table = self._tables[band] = (line, capped_by_larger(
+                {n: own[n] if line is None or len(self.t[band, "verify", n]) >= self.min_samples
+                 else line[0] + line[1] * n for n in ns}))
+        return table
 
     def verify(self, band, nodes: int):
-        xs, line = self.t.get((band, "verify", nodes)), self._line(band)
-        if xs and (len(xs) >= self.min_samples or line is None):
-            shape = _median(xs)
-        else:
-            shape = None if line is None else line[0] + line[1] * nodes
-        return None if shape is None else shape * self.level.get(band, 1.0)
+        line, prices = self._table(band)
+        if nodes not in prices and line is None:
+            return None
+        shape = prices[nodes] if nodes in prices else min(
+            [line[0] + line[1] * nodes] + [p for n, p in prices.items() if n > nodes])
+        return shape * self.level.get(band, 1.0)
 
     def calibrated(self, band) -> bool:
-        return self._line(band) is not None
+        return self._table(band)[0] is not None
 
     def round(self, band, kind: str, nodes: int, rows: int):
         """Predicted seconds of a round verifying `nodes` after drafting `rows` (None: unknown)."""
         v = self.verify(band, nodes)
         if v is None:
             return None
-        return (v + rows * self.median(band, "draft", 0, 0.0)
-                + self.median(band, "rest", kind, self.median(band, "rest", "chain", 0.0)))
+        return (v + rows * self.cost(band, "draft", 0, 0.0)
+                + self.cost(band, "rest", kind, self.cost(band, "rest", "chain", 0.0)))
 
 
 class Acceptance:
@@ -225,6 +250,8 @@ class Request:
         self.plain_run = 0     # plain rounds since the last speculative one
         self.last = (0, 0)     # the last speculative round's (verified depth, rows kept)
         self.probing = False   # is this round a probe after plain rounds?
+        self.wide_rows = 0     # rows this round drafts for a tree (0: not a wide round)
+        self.deep = True       # did the last wide round's tree reach its deepest drafted row?
 
     def wide(self) -> bool:
         """DESIGN.md's admission: a tree only while the chain keeps fewer rows than the threshold."""
@@ -277,15 +304,19 @@ class Request:
             # plain wins; probe once the probes' excess cost over plain decoding (the draft's
             # catch-up included) stays within probe_budget of the plain stretch's time
             t = (costs.round(self.band, "chain", rows + 1, rows)
-                 + behind * costs.median(self.band, "catch_up", 0, 0.0))
+                 + behind * costs.cost(self.band, "catch_up", 0, 0.0))
             excess = max(t - rate * t * plain_s, 0.0)
             if excess > p.probe_budget * plain_s * self.plain_run:
                 self.plain_run += 1
                 return "plain", 0
             self.probing = True
         self.plain_run = 0
-        if self.wide():  # one row past the chain's best depth lets a tree extend its likeliest path
-            return "wide", min(rows + 1, max_rows)
+        if self.wide():
+            # one row past the chain's best depth lets a tree extend its likeliest path: drafted
+            # while the last wide round's tree reached its deepest row, else a row paid for nothing
+            self.wide_rows = min(rows + self.deep, max_rows)
+            return "wide", self.wide_rows
+        self.wide_rows = 0
         return "chain", rows
 
     def observe(self, drafted: int, kept: int, judged_next: bool) -> None:
@@ -294,6 +325,8 @@ class Request:
         if drafted <= 0:
             return
         self.last = (drafted, kept)
+        if self.wide_rows:
+            self.deep = drafted >= self.wide_rows
         for j in range(1, min(kept, drafted) + 1):
             self.reached[j] += 1
             self.kept[j] += 1
@@ -311,7 +344,7 @@ class Policy:
 
     def __init__(self, params: PolicyParams | None = None, seed: int = 0):
         self.params = (params or PolicyParams()).validate()
-        self.costs = Costs(self.params.window, self.params.min_samples)
+        self.costs = Costs(self.params.window, self.params.min_samples, self.params.quantile)
         self.acceptance = Acceptance(self.params.prior_strength)
         self.bands: dict[int, Acceptance] = {}
         self.rows: dict[int, list] = {}   # band -> [reached[], kept[]], decayed per request
@@ -380,7 +413,7 @@ class Policy:
     def load_state(self, s: dict) -> None:
         """Take in state() of an earlier process; raises ValueError if it does not fit."""
         shape = self.acceptance.offered.shape
-        costs = Costs(self.params.window, self.params.min_samples)
+        costs = Costs(self.params.window, self.params.min_samples, self.params.quantile)
         for b, p, size, v in s["costs"]:
             if p not in ("verify", "draft", "catch_up", "rest") or not all(
                     isinstance(x, (int, float)) and x >= 0 for x in v):
