@@ -139,13 +139,13 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("set_num_threads", &set_default_threads);
   m.def("set_solo_periods", &set_solo_periods, py::arg("enabled"),
-        "Whether parallel regions run on the calling thread alone for a while after the OS "
-        "preempted a participant (more runnable threads than cores). On by default.");
+        "Whether parallel regions run on the calling thread alone for a while after a "
+        "participant waited for a core (more runnable threads than cores). On by default.");
   m.def("solo_periods", &solo_periods);
   m.def("solo_regions", &solo_regions,
         "Parallel regions run on the caller alone because a helper had stalled one (SoloPeriods).");
   m.def("solo_periods_trace", [](const std::vector<std::array<long long, 3>>& events) {
-    // SoloPeriods on a given clock: each event (now, end, preempted) asks solo(now), then records
+    // SoloPeriods on a given clock: each event (now, end, contended) asks solo(now), then records
     // a region ending at `end` when it was not solo; returns the answers (tests)
     SoloPeriods p;
     std::vector<bool> out;

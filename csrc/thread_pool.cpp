@@ -9,7 +9,10 @@
 #include <thread>
 #include <vector>
 
-#include <sys/resource.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -36,20 +39,30 @@ long long now_ns() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Whether the OS has preempted the calling thread (switched it out while it could run) since
-// this thread last asked: the sign of more runnable threads than cores (SoloPeriods). Linux
-// counts it per thread; elsewhere the answer is always no, and regions always run together.
-bool preempted_since_last_look() {
-#ifdef RUSAGE_THREAD
-  thread_local long last = -1;
-  rusage ru;
-  if (getrusage(RUSAGE_THREAD, &ru) != 0) return false;
-  const bool more = last >= 0 && ru.ru_nivcsw > last;
-  last = ru.ru_nivcsw;
-  return more;
-#else
-  return false;
-#endif
+// Whether the calling thread spent more than a quarter of the time since it last asked (at least
+// kLookEvery ago) runnable but waiting for a core: the sign of more runnable threads than cores
+// (SoloPeriods). A brief preemption (a kernel thread, a short task) is not: a spinning helper
+// is switched out by any of them. Linux's per-thread schedstat (run_delay) says it; elsewhere
+// the answer is always no, and regions always run together.
+// Returns -1 when it did not look (too soon, or no schedstat), else whether it was contended.
+constexpr long long kLookEvery = 2'000'000;  // ns: a few regions; a look reads a /proc file
+int contended_since_last_look() {
+  thread_local long long last_t = 0, last_delay = 0;
+  thread_local bool unavailable = false;
+  const long long now = now_ns();
+  if (unavailable || now - last_t < kLookEvery) return -1;
+  char buf[128];
+  const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY);
+  const ssize_t got = fd >= 0 ? ::read(fd, buf, sizeof buf - 1) : -1;
+  if (fd >= 0) ::close(fd);
+  long long run = 0, delay = 0;
+  if (got <= 0 || (buf[got] = 0, std::sscanf(buf, "%lld %lld", &run, &delay) != 2)) {
+    unavailable = true;
+    return -1;
+  }
+  const bool contended = last_t > 0 && 4 * (delay - last_delay) > now - last_t;
+  last_t = now, last_delay = delay;
+  return contended ? 1 : 0;
 }
 
 // Spins until ready() or kSpin has passed; returns ready().
@@ -130,8 +143,11 @@ class Pool {
       std::unique_lock<std::mutex> lk(mu_);
       done_cv_.wait(lk, [&] { return done_.load() == n; });
     }
-    const bool caller_preempted = preempted_since_last_look();
-    periods_.region(now_ns(), helper_preempted_.exchange(false) || caller_preempted);
+    const int caller = contended_since_last_look();
+    if (helper_contended_.exchange(false) || caller == 1)
+      periods_.region(now_ns(), true);
+    else if (caller == 0)
+      periods_.region(now_ns(), false);
     solo_until_.store(periods_.until());
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
@@ -173,7 +189,7 @@ class Pool {
         }
       }
     }
-    if (self != 0 && preempted_since_last_look()) helper_preempted_.store(true);
+    if (self != 0 && contended_since_last_look() == 1) helper_contended_.store(true);
     if (ran > 0 && done_.fetch_add(ran) + ran == total_ && self != 0) {
       { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see it done
       done_cv_.notify_all();
@@ -228,7 +244,7 @@ class Pool {
   int total_ = 0;
   std::atomic<uint64_t> generation_{0};
   SoloPeriods periods_;  // under run_mu_
-  std::atomic<bool> helper_preempted_{false};  // a helper was, since the caller last looked
+  std::atomic<bool> helper_contended_{false};  // a helper was, since the caller last looked
   std::atomic<long long> solo_until_{0};  // periods_.until(), read outside run_mu_
   bool stop_ = false;
   std::exception_ptr error_;

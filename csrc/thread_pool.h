@@ -40,21 +40,22 @@ bool start_background(std::function<void()> fn);
 void wait_background();
 void set_default_threads(int threads);
 
-// Parallel regions run on the caller alone for a while once a participant has been
-// preempted: on a machine with more runnable threads than cores (another process, a build), a
-// helper spins and holds jobs in turns with the caller for the same cores, and one thread that
-// keeps a core to itself does more than two that take turns. A preempted region starts a solo
-// period, twice the last one when it follows a solo period directly (up to kSoloMax: the cost
-// of probing a still-busy machine stays small), kSoloMin again after a region that ran
-// together unpreempted. Which threads run the jobs never changes results.
+// Parallel regions run on the caller alone for a while once a participant has waited for a
+// core: on a machine with more runnable threads than cores (another process, a build), a helper
+// spins and holds jobs in turns with the caller for the same cores, and one thread that keeps a
+// core to itself does more than two that take turns. A contended region (a participant spent
+// over a quarter of the last few milliseconds runnable but not running) starts a solo period,
+// twice the last one when contention comes back (up to kSoloMax: probing a still-busy machine
+// stays cheap), kSoloMin again once a look finds the caller uncontended. Which threads run the
+// jobs never changes results.
 class SoloPeriods {
  public:
-  static constexpr long long kSoloMin = 20'000'000, kSoloMax = 640'000'000;  // ns
+  static constexpr long long kSoloMin = 5'000'000, kSoloMax = 640'000'000;  // ns
   bool solo(long long now) const { return now < until_; }
   long long until() const { return until_; }
-  // a region that ran on several threads, ended at `end`; whether a participant was preempted
-  void region(long long end, bool preempted) {
-    if (preempted) {
+  // a region that ran on several threads, ended at `end`; whether a participant was contended
+  void region(long long end, bool contended) {
+    if (contended) {
       until_ = end + period_;
       period_ = std::min(2 * period_, kSoloMax);
     } else {

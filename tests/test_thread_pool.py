@@ -1,7 +1,7 @@
 """The thread pool's contract (csrc/thread_pool.h): every job of a region runs exactly once,
 whichever participant takes it (owners from the front of their range, others from the back once
 theirs is empty); a job's exception reaches the caller and the pool stays usable; solo periods
-(regions on the caller alone after a preempted one) start, double and reset as SoloPeriods says."""
+(regions on the caller alone after a contended one) start, double and reset as SoloPeriods says."""
 import pytest
 
 from sapwood import _core
@@ -33,24 +33,24 @@ MS = 1_000_000  # ns
 
 
 def test_solo_periods_start_double_and_reset():
-    """(now, end, preempted) per region on a virtual clock: the answers of solo(now)."""
-    events = [(0, 1 * MS, 0),            # together, not preempted
-              (2 * MS, 3 * MS, 1),       # preempted: solo until 3 + 20 ms, next period 40
-              (10 * MS, 0, 0),           # solo
-              (22 * MS, 0, 0),           # still solo (until 23)
-              (24 * MS, 25 * MS, 1),     # together again, preempted: solo until 25 + 40
-              (64 * MS, 0, 0),           # solo (until 65): the period doubled
-              (66 * MS, 67 * MS, 0),     # together, clean: the period is 20 again
-              (68 * MS, 69 * MS, 1),     # preempted: solo until 69 + 20
-              (88 * MS, 0, 0),           # solo
-              (90 * MS, 91 * MS, 0)]     # together
+    """(now, end, contended) per region on a virtual clock: the answers of solo(now)."""
+    events = [(0, 1 * MS, 0),            # together, uncontended
+              (2 * MS, 3 * MS, 1),       # contended: solo until 3 + 5 ms, next period 10
+              (5 * MS, 0, 0),            # solo
+              (7 * MS, 0, 0),            # still solo (until 8)
+              (9 * MS, 10 * MS, 1),      # together again, contended: solo until 10 + 10
+              (19 * MS, 0, 0),           # solo (until 20): the period doubled
+              (21 * MS, 22 * MS, 0),     # together, uncontended: the period is 5 again
+              (23 * MS, 24 * MS, 1),     # contended: solo until 24 + 5
+              (28 * MS, 0, 0),           # solo
+              (30 * MS, 31 * MS, 0)]     # together
     assert _core.solo_periods_trace(events) == [False, False, True, True, False, True, False,
                                                 False, True, False]
 
 
 def test_solo_periods_cap():
-    """Preempted regions, each after the last one's period has run out, double the period
-    20, 40, ... up to its cap of 640 ms, never past it."""
+    """Contended regions, each after the last one's period has run out, double the period
+    5, 10, ... up to its cap of 640 ms, never past it."""
     seq = [(i * 2_000 * MS, i * 2_000 * MS, 1) for i in range(8)]
     assert _core.solo_periods_trace(seq) == [False] * 8
     last = seq[-1][1]
