@@ -10,8 +10,7 @@ step reads / read bandwidth, both measured here, paired per block); verify(1) ag
 verify(2) (a chain of two); verify(16) (a 16-node tree) against its roof, max(bytes / bandwidth,
 multiply-adds / int8 peak), the peak from the variant's own register-only microkernel
 (`_core.int8_peak`); 16-row tree attention at 4K and 32K against its roof and one row; prefill
-of a 4K prompt (tok/s); decode tokens/s beside one competing CPU-bound process over quiet,
-with the parallel regions each arm ran on one thread (the pool's solo periods).
+of a 4K prompt (tok/s); decode tokens/s beside one competing CPU-bound process over quiet.
 Beside llama.cpp (llama-bench on GGUFs of the same weights, the first ISA's engine): decode,
 16 tokens at once and the prefill prompt, the two engines' runs alternated ABBA block by
 block, with sapwood / llama.cpp per block.
@@ -194,7 +193,7 @@ def bench_load(eng, shape, isas, blocks: int, tokens: int, rng) -> dict:
     eng.reset()
     eng.prefill(rng.integers(0, shape["vocab_size"], 64))
     snap = eng.snapshot()
-    res = {isa: {"quiet": [], "loaded": [], "solo_quiet": 0, "solo_loaded": 0} for isa in isas}
+    res = {isa: {"quiet": [], "loaded": []} for isa in isas}
     for isa in isas:
         _core.set_isa(isa)
         decode_tok_s(eng, snap, 4)  # warm-up
@@ -202,20 +201,17 @@ def bench_load(eng, shape, isas, blocks: int, tokens: int, rng) -> dict:
         for isa in (isas if b % 2 == 0 else isas[::-1]):
             _core.set_isa(isa)
             for arm in ("quiet", "loaded", "loaded", "quiet"):
-                solo = _core.solo_regions()
                 if arm == "loaded":
                     with Competitor():
                         res[isa][arm].append(decode_tok_s(eng, snap, tokens))
                 else:
                     res[isa][arm].append(decode_tok_s(eng, snap, tokens))
-                res[isa]["solo_" + arm] += _core.solo_regions() - solo
     out = {}
     for isa, r in res.items():
         q, l = r["quiet"], r["loaded"]
         # per block: the mean of its two loaded runs over the mean of its two quiet ones
         ratios = [(l[2 * i] + l[2 * i + 1]) / (q[2 * i] + q[2 * i + 1]) for i in range(blocks)]
-        out[isa] = {"quiet_tok_s": summ(q), "loaded_tok_s": summ(l), "loaded_over_quiet": summ(ratios),
-                    "solo_regions_quiet": r["solo_quiet"], "solo_regions_loaded": r["solo_loaded"]}
+        out[isa] = {"quiet_tok_s": summ(q), "loaded_tok_s": summ(l), "loaded_over_quiet": summ(ratios)}
     return out
 
 
@@ -306,8 +302,6 @@ def print_table(out: dict) -> None:
         row("decode tok/s quiet", [fmt_range(fr["load"][i]["quiet_tok_s"], digits=1) for i in isas])
         row("  beside 1 busy process", [fmt_range(fr["load"][i]["loaded_tok_s"], digits=1) for i in isas])
         row("  loaded / quiet", [fmt_range(fr["load"][i]["loaded_over_quiet"], digits=2) for i in isas])
-        row("  solo regions quiet / loaded", [f"{fr['load'][i]['solo_regions_quiet']} / "
-                                              f"{fr['load'][i]['solo_regions_loaded']}" for i in isas])
         ll = fr.get("llama")
         if isinstance(ll, dict):
             print(f"\n{fr['weights']} beside llama.cpp ({ll['isa']}; arms alternated ABBA, tok/s)")

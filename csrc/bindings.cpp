@@ -6,7 +6,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -138,23 +137,6 @@ PYBIND11_MODULE(_core, m) {
     set_kernels(t);
   });
   m.def("set_num_threads", &set_default_threads);
-  m.def("set_solo_periods", &set_solo_periods, py::arg("enabled"),
-        "Whether parallel regions run on the calling thread alone for a while after a "
-        "participant waited for a core (more runnable threads than cores). On by default.");
-  m.def("solo_periods", &solo_periods);
-  m.def("solo_regions", &solo_regions,
-        "Parallel regions run on the caller alone because a helper had stalled one (SoloPeriods).");
-  m.def("solo_periods_trace", [](const std::vector<std::array<long long, 3>>& events) {
-    // SoloPeriods on a given clock: each event (now, end, contended) asks solo(now), then records
-    // a region ending at `end` when it was not solo; returns the answers (tests)
-    SoloPeriods p;
-    std::vector<bool> out;
-    for (const auto& e : events) {
-      out.push_back(p.solo(e[0]));
-      if (!out.back()) p.region(e[1], e[2] != 0);
-    }
-    return out;
-  }, py::arg("events"));
   m.def("min_parallel_work", &min_parallel_work,
         "Regions with less work than this (multiply-adds) run on one thread.");
   m.def("set_min_parallel_work", &set_min_parallel_work, py::arg("work"));

@@ -9,11 +9,6 @@
 #include <thread>
 #include <vector>
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cstdio>
-
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define SW_PAUSE() _mm_pause()
@@ -33,37 +28,6 @@ namespace {
 // single-threaded rows): with a shorter spin the helper slept in them, and in a VM a parked
 // vCPU then takes several rounds to come back to speed, which costs more than the spinning.
 constexpr auto kSpin = std::chrono::microseconds(2000);
-
-long long now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Whether the calling thread spent more than a quarter of the time since it last asked (at least
-// kLookEvery ago) runnable but waiting for a core: the sign of more runnable threads than cores
-// (SoloPeriods). A brief preemption (a kernel thread, a short task) is not: a spinning helper
-// is switched out by any of them. Linux's per-thread schedstat (run_delay) says it; elsewhere
-// the answer is always no, and regions always run together.
-// Returns -1 when it did not look (too soon, or no schedstat), else whether it was contended.
-constexpr long long kLookEvery = 2'000'000;  // ns: a few regions; a look reads a /proc file
-int contended_since_last_look() {
-  thread_local long long last_t = 0, last_delay = 0;
-  thread_local bool unavailable = false;
-  const long long now = now_ns();
-  if (unavailable || now - last_t < kLookEvery) return -1;
-  char buf[128];
-  const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY);
-  const ssize_t got = fd >= 0 ? ::read(fd, buf, sizeof buf - 1) : -1;
-  if (fd >= 0) ::close(fd);
-  long long run = 0, delay = 0;
-  if (got <= 0 || (buf[got] = 0, std::sscanf(buf, "%lld %lld", &run, &delay) != 2)) {
-    unavailable = true;
-    return -1;
-  }
-  const bool contended = last_t > 0 && 4 * (delay - last_delay) > now - last_t;
-  last_t = now, last_delay = delay;
-  return contended ? 1 : 0;
-}
 
 // Spins until ready() or kSpin has passed; returns ready().
 template <class Ready>
@@ -94,7 +58,6 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return int(workers_.size()); }
-  bool solo() const { return now_ns() < solo_until_.load(std::memory_order_relaxed); }
 
   bool start_background(std::function<void()> fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
@@ -143,12 +106,6 @@ class Pool {
       std::unique_lock<std::mutex> lk(mu_);
       done_cv_.wait(lk, [&] { return done_.load() == n; });
     }
-    const int caller = contended_since_last_look();
-    if (helper_contended_.exchange(false) || caller == 1)
-      periods_.region(now_ns(), true);
-    else if (caller == 0)
-      periods_.region(now_ns(), false);
-    solo_until_.store(periods_.until());
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -189,7 +146,6 @@ class Pool {
         }
       }
     }
-    if (self != 0 && contended_since_last_look() == 1) helper_contended_.store(true);
     if (ran > 0 && done_.fetch_add(ran) + ran == total_ && self != 0) {
       { std::lock_guard<std::mutex> lk(mu_); }  // the caller is waiting or will see it done
       done_cv_.notify_all();
@@ -243,9 +199,6 @@ class Pool {
   std::atomic<int> done_{0}, sleepers_{0};  // jobs of this region run so far
   int total_ = 0;
   std::atomic<uint64_t> generation_{0};
-  SoloPeriods periods_;  // under run_mu_
-  std::atomic<bool> helper_contended_{false};  // a helper was, since the caller last looked
-  std::atomic<long long> solo_until_{0};  // periods_.until(), read outside run_mu_
   bool stop_ = false;
   std::exception_ptr error_;
   std::function<void()> bg_fn_;      // the background task, while bg_busy_
@@ -254,8 +207,6 @@ class Pool {
 };
 
 std::atomic<int> g_default_threads{0};
-std::atomic<long long> g_solo_regions{0};
-std::atomic<bool> g_solo_enabled{true};
 std::atomic<long long> g_min_parallel_work{1LL << 15};
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
@@ -274,10 +225,6 @@ int default_threads() {
 
 void set_default_threads(int threads) { g_default_threads.store(threads > 0 ? threads : 0); }
 
-long long solo_regions() { return g_solo_regions.load(); }
-void set_solo_periods(bool enabled) { g_solo_enabled.store(enabled); }
-bool solo_periods() { return g_solo_enabled.load(); }
-
 long long min_parallel_work() { return g_min_parallel_work.load(std::memory_order_relaxed); }
 void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 ? 0 : work); }
 
@@ -289,10 +236,6 @@ void parallel_for(int n, int threads, JobRef fn) {
   if (threads <= 0) threads = default_threads();
   Pool& p = pool();
   int helpers = std::min({threads - 1, n - 1, p.size()});
-  if (helpers > 0 && g_solo_enabled.load(std::memory_order_relaxed) && p.solo()) {
-    g_solo_regions.fetch_add(1, std::memory_order_relaxed);
-    helpers = 0;
-  }
   if (helpers <= 0) {
     for (int i = 0; i < n; ++i) fn(i);
     return;

@@ -1,7 +1,6 @@
 // A small persistent thread pool. Jobs are independent; which thread runs a job never changes
 // its result (every kernel's reductions run in an order fixed by positions and dims only).
 #pragma once
-#include <algorithm>
 #include <functional>
 
 #include <type_traits>
@@ -39,36 +38,6 @@ int default_threads();
 bool start_background(std::function<void()> fn);
 void wait_background();
 void set_default_threads(int threads);
-
-// Parallel regions run on the caller alone for a while once a participant has waited for a
-// core: on a machine with more runnable threads than cores (another process, a build), a helper
-// spins and holds jobs in turns with the caller for the same cores, and one thread that keeps a
-// core to itself does more than two that take turns. A contended region (a participant spent
-// over a quarter of the last few milliseconds runnable but not running) starts a solo period,
-// twice the last one when contention comes back (up to kSoloMax: probing a still-busy machine
-// stays cheap), kSoloMin again once a look finds the caller uncontended. Which threads run the
-// jobs never changes results.
-class SoloPeriods {
- public:
-  static constexpr long long kSoloMin = 5'000'000, kSoloMax = 640'000'000;  // ns
-  bool solo(long long now) const { return now < until_; }
-  long long until() const { return until_; }
-  // a region that ran on several threads, ended at `end`; whether a participant was contended
-  void region(long long end, bool contended) {
-    if (contended) {
-      until_ = end + period_;
-      period_ = std::min(2 * period_, kSoloMax);
-    } else {
-      period_ = kSoloMin;
-    }
-  }
-
- private:
-  long long until_ = 0, period_ = kSoloMin;
-};
-long long solo_regions();  // regions run on the caller alone since start (a counter for tests)
-void set_solo_periods(bool enabled);  // on by default; off: regions always run together
-bool solo_periods();
 
 // The thread count for a region of about `work` multiply-adds (or element updates): 1 below
 // min_parallel_work() (default 2^15), where handing jobs to a helper costs more than it saves.

@@ -8,15 +8,11 @@ from util import ISAS, isa
 @pytest.fixture(autouse=True, scope="session")
 def parallel_regions_everywhere():
     """Test-sized problems fall below the engine's minimum work for a parallel region; lift it
-    so thread-count tests run the multi-threaded paths (results never depend on it). Solo
-    periods off for the same reason: on a busy CI host they would run those regions on one
-    thread (tests/test_thread_pool.py checks them on their own)."""
+    so thread-count tests run the multi-threaded paths (results never depend on it)."""
     old = _core.min_parallel_work()
     _core.set_min_parallel_work(0)
-    _core.set_solo_periods(False)
     yield
     _core.set_min_parallel_work(old)
-    _core.set_solo_periods(True)
 
 
 @pytest.fixture(autouse=True)
