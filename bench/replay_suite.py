@@ -38,6 +38,7 @@ from sapwood.policy import _median  # noqa: E402
 Z3 = os.path.join(HERE, "results", "zen3_avx2")
 Z4 = os.path.join(HERE, "results", "zen4_vnni")
 XA = os.path.join(HERE, "results", "xeon_amx")
+XQ = os.path.join(XA, "quiet")
 PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
 UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
 # name, recordings, replay options (python_ms: the policy's Python a round on that target)
@@ -75,6 +76,16 @@ SUITE = [
     ("amx padded depths, every timing", [os.path.join(XA, "padded", "replay_depths_alltimes.json")],
      PADDED),
     ("amx bundled cohort, every timing", [os.path.join(XA, "replay_cohort_unpadded_alltimes.json")],
+     dict(UNPADDED, shared=True)),
+    # recorded on a quiet host (issue 39, stop 43: no other session's load, load average < 2)
+    ("amx quiet padded depths", [os.path.join(XQ, "padded", f) for f in (
+        "replay_depths.json", "replay_depth32k.json")], PADDED),
+    ("amx quiet padded cohort", [os.path.join(XQ, "padded", "replay_cohort.json")],
+     dict(PADDED, shared=True)),
+    ("amx quiet bundled depths", [os.path.join(XQ, f) for f in (
+        "replay_depths_unpadded.json", "replay_depth32k_unpadded.json")],
+     dict(UNPADDED, max_tokens=64)),
+    ("amx quiet bundled cohort", [os.path.join(XQ, "replay_cohort_unpadded.json")],
      dict(UNPADDED, shared=True)),
 ]
 

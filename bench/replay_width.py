@@ -216,7 +216,11 @@ def new_state(saved=None, seed=0):
     seed: its exploration draws'."""
     if OLD:
         return G.WidthRule()
-    pol = G.Policy(seed=seed)
+    # SAPWOOD_REPLAY_PARAMS: a JSON object of PolicyParams fields, to replay a parameter change
+    from sapwood.policy import PolicyParams
+
+    params = json.loads(os.environ.get("SAPWOOD_REPLAY_PARAMS") or "{}")
+    pol = G.Policy(PolicyParams(**params), seed=seed)
     if saved is not None:
         pol.load_state(json.loads(saved))
     return pol

@@ -36,16 +36,18 @@ Array numeric(py::handle obj, const char* name, int ndim) {
 struct TableArrays {
   F64 chance, log_step, log_edges;
   AcceptanceTable view() const {
-    return {chance.data(), log_step.data(), int(chance.shape(0)), int(chance.shape(1)),
+    return {chance.data(), log_step.data(), int(chance.shape(0)) - 1, int(chance.shape(1)),
             int(chance.shape(2)), log_edges.data()};
   }
 };
 
 TableArrays table_arrays(py::handle chance, py::handle log_step, py::handle log_edges) {
-  // [depth groups, ranks, buckets]
+  // [depth groups + 1 (the last: off the drafter's line), ranks, buckets]
   TableArrays t{numeric<F64>(chance, "chance", 3), numeric<F64>(log_step, "log_step", 3),
                 numeric<F64>(log_edges, "log_edges", 1)};
   SW_CHECK(t.chance.size() > 0, "chance table is empty");
+  SW_CHECK(t.chance.shape(0) >= 2, "chance table has ", t.chance.shape(0),
+           " groups: at least one depth group and the off-line one");
   for (int d = 0; d < 3; ++d)
     SW_CHECK(t.log_step.shape(d) == t.chance.shape(d), "log_step has shape ",
              shape_str(t.log_step), ", chance ", shape_str(t.chance));

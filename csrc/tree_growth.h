@@ -14,20 +14,22 @@
 namespace sapwood {
 
 // A calibrated acceptance table: chance[(g * ranks + r) * buckets + b] for candidates at
-// depth group g (depth - 1, capped at depths - 1) of rank r (capped at ranks - 1) whose draft
-// log-probability falls in bucket b (how many log_edges are <= it); log_step is
+// group g of rank r (capped at ranks - 1) whose draft log-probability falls in bucket b (how
+// many log_edges are <= it). Groups 0 .. depths - 1 are depth - 1 (capped) on the drafter's own
+// line; group `depths` holds every node off it (an ancestor below the root is not its row's
+// first candidate), whose row was drafted for another prefix. log_step is
 // log(max(chance, 1e-12)), computed once by numpy so both growers add the same doubles.
 struct AcceptanceTable {
   const double* chance;
   const double* log_step;
-  int depths, ranks, buckets;
-  const double* log_edges;  // [buckets - 1], ascending
+  int depths, ranks, buckets;  // depths + 1 groups
+  const double* log_edges;     // [buckets - 1], ascending
 
-  int cell(int64_t depth, int64_t rank, double logprob) const {
+  int cell(int64_t depth, int64_t rank, double logprob, bool off) const {
     SW_CHECK(!std::isnan(logprob), "a draft log-probability is NaN (rank ", rank, ")");
     int b = 0;
     while (b < buckets - 1 && log_edges[b] <= logprob) ++b;
-    const int64_t g = depth < depths ? depth - 1 : depths - 1;
+    const int64_t g = off ? depths : depth < depths ? depth - 1 : depths - 1;
     return int((g * ranks + (rank < ranks - 1 ? rank : ranks - 1)) * buckets + b);
   }
 };
@@ -43,8 +45,11 @@ inline std::vector<double> expected_tokens(const int64_t* parents, const int64_t
                                            const int64_t* rank, const double* q, int n,
                                            const AcceptanceTable& t) {
   std::vector<double> reach(n, 1.0), e(n, 1.0);
+  std::vector<char> off(n, 0);
   for (int i = 1; i < n; ++i) {
-    reach[i] = reach[parents[i]] * t.chance[t.cell(depth[i], rank[i], q[i])];
+    const int64_t p = parents[i];
+    off[i] = p > 0 && (off[p] || rank[p] > 0);
+    reach[i] = reach[p] * t.chance[t.cell(depth[i], rank[i], q[i], off[i])];
     e[i] = e[i - 1] + reach[i];
   }
   return e;
@@ -58,12 +63,16 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
                                  const int* counts, int rows, int k, int width,
                                  const AcceptanceTable& t) {
   SW_CHECK(width >= 1, "width must be >= 1, got ", width);
-  std::vector<double> step(size_t(rows) * k);
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < counts[r]; ++j) {
-      const double s = t.log_step[t.cell(r + 1, j, logprobs[r * k + j])];
-      step[r * k + j] = j == 0 || s < step[r * k + j - 1] ? s : step[r * k + j - 1];
-    }
+  // step[line][r * k + j]: on the drafter's line (0) and off it (1)
+  std::vector<double> step[2] = {std::vector<double>(size_t(rows) * k),
+                                 std::vector<double>(size_t(rows) * k)};
+  for (int line = 0; line < 2; ++line)
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < counts[r]; ++j) {
+        std::vector<double>& st = step[line];
+        const double s = t.log_step[t.cell(r + 1, j, logprobs[r * k + j], line)];
+        st[r * k + j] = j == 0 || s < st[r * k + j - 1] ? s : st[r * k + j - 1];
+      }
   struct Push { double lp; int64_t order; int parent, row, rank; };
   auto later = [](const Push& a, const Push& b) {  // priority_queue pops the "largest"
     return a.lp < b.lp || (a.lp == b.lp && a.order > b.order);
@@ -71,10 +80,12 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
   std::priority_queue<Push, std::vector<Push>, decltype(later)> heap(later);
   GrownTree g;
   g.tokens = {root}; g.parents = {-1}; g.depth = {0}; g.rank = {-1}; g.logp = {0.0}; g.q = {0.0};
+  std::vector<char> off = {0};  // per node: off the drafter's line
   int64_t order = 0;
   auto push = [&](int parent, int row, int rank) {
+    const bool line = parent > 0 && (off[parent] || g.rank[parent] > 0);
     if (row < rows && rank < counts[row])
-      heap.push({g.logp[parent] + step[row * k + rank], order++, parent, row, rank});
+      heap.push({g.logp[parent] + step[line][row * k + rank], order++, parent, row, rank});
   };
   push(0, 0, 0);
   while (!heap.empty() && int(g.tokens.size()) < width) {
@@ -87,6 +98,7 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
     g.rank.push_back(p.rank);
     g.logp.push_back(p.lp);
     g.q.push_back(logprobs[p.row * k + p.rank]);
+    off.push_back(p.parent > 0 && (off[p.parent] || g.rank[p.parent] > 0));
     push(node, p.row + 1, 0);
     push(p.parent, p.row, p.rank + 1);
   }

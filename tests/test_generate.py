@@ -293,7 +293,7 @@ def test_chat_messages_use_the_checkpoint_template(tmp_path):
 @pytest.mark.parametrize("seed", range(3))
 def test_calibrated_growth_keeps_prefix_property_and_goes_deep(seed):
     lat = lattice(rows=8, k=4, seed=seed)
-    chance = lambda rank, q, depth: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
+    chance = lambda rank, q, depth, off: np.array([0.9, 0.05, 0.03, 0.02])[rank]  # confident top-1
     big = grow(0, lat, 16, chance=chance)
     for w in range(1, 17):
         assert (grow(0, lat, w, chance=chance).parents == big.parents[:w]).all()

@@ -30,11 +30,29 @@ def random_path(rng, tree):
         path.append(int(rng.choice(kids)))
 
 
+def off_line_by_definition(tree, n) -> bool:
+    """Has node n an ancestor other than the root that is not its row's first candidate?"""
+    a = int(tree.parents[n])
+    while a > 0:
+        if tree.rank[a] > 0:
+            return True
+        a = int(tree.parents[a])
+    return False
+
+
+def cell_by_definition(tree, n):
+    """A node's cell: group DEPTHS off the drafter's line, else depth - 1 capped at DEPTHS - 1;
+    rank capped at RANKS - 1; the bucket of exp(q) among EDGES, right side."""
+    g = (Acceptance.DEPTHS if off_line_by_definition(tree, n)
+         else min(tree.depth[n], Acceptance.DEPTHS) - 1)
+    return (g, min(tree.rank[n], Acceptance.RANKS - 1),
+            np.searchsorted(Acceptance.EDGES, np.exp(tree.q[n]), side="right"))
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
-    """Offered: every node whose parent is on the committed path; accepted: those on it. Cells
-    by (depth - 1 capped at DEPTHS - 1, rank capped at max_rank - 1, the bucket of exp(q) among
-    EDGES, right side)."""
+    """Offered: every node whose parent is on the committed path; accepted: those on it, in
+    cell_by_definition's cells."""
     rng = np.random.default_rng(seed)
     acc = Acceptance(4.0)
     want_off, want_acc = np.zeros_like(acc.offered), np.zeros_like(acc.accepted)
@@ -50,23 +68,24 @@ def test_acceptance_counts_nodes_whose_parent_the_path_reached(seed):
         on[path] = True
         for n in range(1, tree.width):
             if on[tree.parents[n]]:
-                cell = (min(tree.depth[n], Acceptance.DEPTHS) - 1, min(tree.rank[n], 15),
-                        np.searchsorted(Acceptance.EDGES, np.exp(tree.q[n]), side="right"))
+                cell = cell_by_definition(tree, n)
                 want_off[cell] += 1
                 want_acc[cell] += on[n]
     assert want_off.sum() > 0 and want_acc.sum() > 0
     assert (acc.offered == want_off).all() and (acc.accepted == want_acc).all()
     assert (want_off[Acceptance.DEPTHS - 1] > 0).any()  # a depth past the last group
+    assert (want_off[Acceptance.DEPTHS] > 0).any()  # nodes off the drafter's line
     # chance() reads the same cells observe() counts: a depth's cell with the cell pooled over
     # depths as its prior
     r, q, d = np.array([0, 1, 5, 17]), np.array([-0.01, -1.0, -3.0, -0.5]), np.array([1, 2, 3, 7])
     rb = (np.minimum(r, 15), np.searchsorted(Acceptance.EDGES, np.exp(q), side="right"))
     pooled = ((want_acc.sum(0)[rb] + acc.strength * acc.prior[rb])
               / (want_off.sum(0)[rb] + acc.strength))
-    cells = (np.minimum(d, Acceptance.DEPTHS) - 1,) + rb
     k = acc.strength
-    want = (want_acc[cells] + k * pooled) / (want_off[cells] + k)
-    assert (acc.chance(r, q, d) == want).all()
+    for off in (False, True):
+        cells = (np.full(4, Acceptance.DEPTHS) if off else np.minimum(d, Acceptance.DEPTHS) - 1,) + rb
+        want = (want_acc[cells] + k * pooled) / (want_off[cells] + k)
+        assert (acc.chance(r, q, d, off) == want).all()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -94,8 +113,7 @@ def test_acceptance_counts_the_grown_trees_unverified_nodes_by_the_picks(seed):
         pick_at = dict(zip(path, picks))
         for n in range(1, full.width):
             if full.parents[n] in pick_at:
-                cell = (min(full.depth[n], Acceptance.DEPTHS) - 1, min(full.rank[n], 15),
-                        np.searchsorted(Acceptance.EDGES, np.exp(full.q[n]), side="right"))
+                cell = cell_by_definition(full, n)
                 want_off[cell] += 1
                 want_acc[cell] += full.tokens[n] == pick_at[full.parents[n]]
         assert (got.offered == want_off).all() and (got.accepted == want_acc).all()
@@ -110,11 +128,11 @@ def test_acceptance_counts_the_grown_trees_unverified_nodes_by_the_picks(seed):
 
 def expected_by_definition(acc, tree):
     """E(w): the sum over the first w nodes of each one's reach, the product of chance() along
-    its path from the root."""
-    ch = acc.chance(tree.rank[1:], tree.q[1:], tree.depth[1:])
+    its path from the root (off the drafter's line by off_line_by_definition)."""
     reach = [1.0]
     for i in range(1, tree.width):
-        reach.append(reach[tree.parents[i]] * ch[i - 1])
+        ch = acc.chance(tree.rank[i], tree.q[i], tree.depth[i], off_line_by_definition(tree, i))
+        reach.append(reach[tree.parents[i]] * float(ch))
     return np.cumsum(reach)
 
 

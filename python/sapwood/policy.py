@@ -168,7 +168,9 @@ class Acceptance:
     whose parent the committed path reached, each cell borrowing `strength` pseudo-counts from
     its parent level (a band's from the drafter's) or, at the top, from the cell pooled over
     depths and a prior by rank. The drafter's confidence predicts acceptance far better than
-    depth; depth refines it because drafts are right in stretches."""
+    depth; depth refines it because drafts are right in stretches. Nodes off the drafter's
+    line (Tree.off_line) have a group of their own: their row was drafted for another prefix,
+    so they are taken far less often than their depth and confidence say."""
 
     EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])
     LOG_EDGES = np.log(EDGES)
@@ -176,7 +178,7 @@ class Acceptance:
     DEPTHS, RANKS = 4, 16
 
     def __init__(self, strength: float, parent: "Acceptance | None" = None):
-        shape = (self.DEPTHS, self.RANKS, len(self.EDGES) + 1)
+        shape = (self.DEPTHS + 1, self.RANKS, len(self.EDGES) + 1)
         self.offered, self.accepted = np.zeros(shape), np.zeros(shape)
         self.strength, self.parent = strength, parent
         # by rank only, never by the drafter's stated probability: drafts are often far from
@@ -200,8 +202,8 @@ class Acceptance:
             self._cache = (v, (chance, np.log(np.maximum(chance, 1e-12))))
         return self._cache[1]
 
-    def chance(self, rank, logprob, depth):
-        d = np.minimum(np.asarray(depth), self.DEPTHS) - 1
+    def chance(self, rank, logprob, depth, off=False):
+        d = np.where(off, self.DEPTHS, np.minimum(np.asarray(depth), self.DEPTHS) - 1)
         r = np.minimum(np.asarray(rank), self.RANKS - 1)
         return self.tables()[0][d, r, np.searchsorted(self.LOG_EDGES, np.asarray(logprob, float),
                                                       side="right")]
@@ -225,12 +227,13 @@ class Acceptance:
         whole grown tree of which only a prefix was verified)."""
         on_path = set(path)
         pick_at = None if picks is None else dict(zip(path, picks))
-        cells = [((min(d, self.DEPTHS) - 1, min(r, self.RANKS - 1),
+        cells = [((self.DEPTHS if o else min(d, self.DEPTHS) - 1, min(r, self.RANKS - 1),
                    bisect.bisect_right(self._LOG_EDGES, q)),
                   node in on_path if pick_at is None else tok == pick_at[p])
-                 for node, (p, d, r, q, tok) in enumerate(zip(
+                 for node, (p, d, r, q, tok, o) in enumerate(zip(
                      tree.parents.tolist(), tree.depth.tolist(), tree.rank.tolist(),
-                     tree.q.tolist(), tree.tokens.tolist())) if p >= 0 and p in on_path]
+                     tree.q.tolist(), tree.tokens.tolist(), tree.off_line().tolist()))
+                 if p >= 0 and p in on_path]
         model = self
         while model is not None:
             model.version += 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import _core
 
-VERSION = 1
+VERSION = 2  # 2: the acceptance table gained the group of nodes off the drafter's line
 OFF = ("0", "off", "false", "no")
 
 

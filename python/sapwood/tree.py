@@ -49,6 +49,15 @@ class Tree:
                               enumerate(zip(self.parents.tolist(), self.tokens.tolist()))}
         return self._children.get((int(node), int(token)), -1)
 
+    def off_line(self) -> np.ndarray:
+        """Per node: is it off the drafter's own line, below a node (not the root) that is not
+        its row's first candidate? Its lattice row was drafted for another prefix."""
+        off = np.zeros(self.width, bool)
+        par, rank = self.parents.tolist(), self.rank.tolist()
+        for i in range(1, self.width):
+            off[i] = par[i] > 0 and (off[par[i]] or rank[par[i]] > 0)
+        return off
+
     def has_prefix(self, other: "Tree") -> bool:
         """Are `other`'s nodes this tree's first nodes (same tokens, same parents), so that
         node indices mean the same in both?"""
@@ -65,9 +74,10 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     """The first `width` nodes of the best-first tree (fewer if the lattice runs out).
 
     A node's chance is its parent's times its candidate's probability: the drafter's, or, when
-    `chance(ranks, logprobs, depths)` is given (arrays in, array out), the calibrated
-    probability that the target accepts a candidate of that rank, draft log-probability and
-    depth (made non-increasing in rank, so siblings still pop in rank order).
+    `chance(ranks, logprobs, depths, off)` is given (arrays and a bool in, array out), the
+    calibrated probability that the target accepts a candidate of that rank, draft
+    log-probability and depth, on the drafter's line or off it (Tree.off_line), made
+    non-increasing in rank, so siblings still pop in rank order.
     Calibrated chances keep a confident drafter's chain deep instead of spending the width on
     unlikely siblings near the root.
 
@@ -81,21 +91,28 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
     # per-row numpy calls cost more than the tree's own bookkeeping.
     tokens = [np.asarray(t).tolist() for t in lattice.tokens]
     logprobs = [np.asarray(lp, float).tolist() for lp in lattice.logprobs]
-    steps = logprobs
+    steps = (logprobs, logprobs)  # a child's step by line: on the drafter's (0), off it (1)
     if chance is not None and tokens:
         ks = [len(t) for t in tokens]
-        c = np.asarray(chance(np.concatenate([np.arange(k) for k in ks]),
-                              np.array([q for lp in logprobs for q in lp]),
-                              np.repeat(np.arange(1, len(ks) + 1), ks)), float)
         bounds = np.cumsum([0] + ks)
-        steps = [np.log(np.maximum(np.minimum.accumulate(c[bounds[r]:bounds[r + 1]]), 1e-12)).tolist()
-                 for r in range(len(ks))]
+        ranks = np.concatenate([np.arange(k) for k in ks])
+        qs_all = np.array([q for lp in logprobs for q in lp])
+        depths = np.repeat(np.arange(1, len(ks) + 1), ks)
+
+        def line_steps(off: bool) -> list:
+            c = np.asarray(chance(ranks, qs_all, depths, off), float)
+            return [np.log(np.maximum(np.minimum.accumulate(c[bounds[r]:bounds[r + 1]]),
+                                      1e-12)).tolist() for r in range(len(ks))]
+        steps = (line_steps(False), line_steps(True))
     rows = len(tokens)
+    off = [False]  # per node: off the drafter's line
 
     def push(parent: int, row: int, rank: int):
         nonlocal counter
         if row < rows and rank < len(tokens[row]):
-            heapq.heappush(heap, (-(lps[parent] + steps[row][rank]), counter, parent, row, rank))
+            line = parent > 0 and (off[parent] or rnk[parent] > 0)
+            heapq.heappush(heap, (-(lps[parent] + steps[line][row][rank]), counter, parent,
+                                  row, rank))
             counter += 1
 
     push(0, 0, 0)
@@ -108,6 +125,7 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
         rnk.append(rank)
         lps.append(-neg)
         qs.append(logprobs[row][rank])
+        off.append(parent > 0 and (off[parent] or rnk[parent] > 0))
         push(node, row + 1, 0)
         push(parent, row, rank + 1)
     return Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
