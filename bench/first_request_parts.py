@@ -17,8 +17,8 @@ sys.path.insert(0, HERE)
 import replay_suite  # noqa: E402
 import replay_width as R  # noqa: E402
 
-PARTS = {"fresh": (), "+costs": ("costs",), "+acceptance": ("acceptance", "rows"),
-         "warm": ("costs", "acceptance", "rows")}
+PARTS = {"fresh": (), "+costs": ("costs", "level"), "+acceptance": ("acceptance", "rows"),
+         "warm": ("costs", "level", "acceptance", "rows")}
 
 
 def first_requests(rec, opts, seed, requests):

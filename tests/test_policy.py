@@ -222,8 +222,8 @@ def test_median_is_statistics_median(n):
 def test_cost_fit_is_theil_sen_of_per_width_medians():
     """The verify line: slope the median of pairwise slopes between node counts' median
     timings, intercept the median residual (both clamped at 0), written out with statistics
-    here; a count timed min_samples times is priced by its own median, others by the line
-    (costs as medians: q = 0.5)."""
+    here; a count timed min_samples times is priced by its own median, others by the line,
+    both times the host's level (costs as medians: q = 0.5)."""
     rng = np.random.default_rng(0)
     cm = Costs(window=16, min_samples=3, q=0.5)
     for i in range(60):
@@ -236,9 +236,11 @@ def test_cost_fit_is_theil_sen_of_per_width_medians():
                            for i in range(len(ws)) for j in range(i + 1, len(ws))])
     a = statistics.median([t - b * w for w, t in zip(ws, med)])
     assert cm._table(0)[0] == (max(a, 0.0), max(b, 0.0))
-    assert cm.verify(0, 4) == statistics.median(obs[4]) and len(obs[4]) >= 3
-    assert cm.verify(0, 12) == max(a, 0.0) + max(b, 0.0) * 12 and len(obs[12]) == 1
-    assert cm.verify(0, 16) == max(a, 0.0) + max(b, 0.0) * 16
+    # the stored timings are divided by the host's level when taken, priced at today's
+    level = cm.level.get(0, 1.0)
+    assert cm.verify(0, 4) == statistics.median(obs[4]) * level and len(obs[4]) >= 3
+    assert cm.verify(0, 12) == (max(a, 0.0) + max(b, 0.0) * 12) * level and len(obs[12]) == 1
+    assert cm.verify(0, 16) == (max(a, 0.0) + max(b, 0.0) * 16) * level
     assert cm.calibrated(0) and not cm.calibrated(3) and cm.verify(3, 1) is None
 
 
@@ -257,6 +259,33 @@ def test_costs_keep_the_last_window_timings_and_ignore_a_preempted_minority():
     cm.observe(1, "verify", 1, 0.005)
     assert cm.round(1, "chain", 4, 3) == pytest.approx(0.02 + 3e-4 + 5e-4)
     assert cm.round(1, "tree", 4, 3) == cm.round(1, "chain", 4, 3)  # no tree rest yet: the chain's
+
+
+def test_costs_follow_the_hosts_level_where_two_node_counts_agree():
+    """Every count turning dearer at once (the host's load) moves the level, so a count last
+    timed before the change is priced at the new level; one count alone turning dear is that
+    count's cost: the others keep their price."""
+    cm = Costs(window=16, min_samples=3, q=0.1)
+    base = {n: 1e-3 * (1 + 0.2 * n) for n in (1, 4, 5, 9)}
+    for _ in range(3):
+        for n, t in base.items():
+            cm.observe(0, "verify", n, t)
+    assert cm.verify(0, 9) == pytest.approx(base[9])
+    for _ in range(3):  # the load rises: the counts in use, 4 and 5, cost 1.5x
+        cm.observe(0, "verify", 4, 1.5 * base[4])
+        cm.observe(0, "verify", 5, 1.5 * base[5])
+    assert cm.level[0] == pytest.approx(1.5)
+    assert cm.verify(0, 9) == pytest.approx(1.5 * base[9])  # last timed before the change
+    assert cm.verify(0, 4) == pytest.approx(1.5 * base[4])
+    one = Costs(window=16, min_samples=3, q=0.1)
+    for _ in range(3):
+        for n, t in base.items():
+            one.observe(0, "verify", n, t)
+    for _ in range(16):  # count 1 alone turns dear for a whole window, count 5 does not
+        one.observe(0, "verify", 1, 1.4 * base[1])
+        one.observe(0, "verify", 5, base[5])
+    assert one.level.get(0, 1.0) == pytest.approx(1.0)
+    assert one.verify(0, 1) == pytest.approx(1.4 * base[1]) and one.verify(0, 9) == base[9]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8, 16, 25])
@@ -290,6 +319,7 @@ def test_a_count_is_never_priced_above_a_larger_one():
     for _ in range(3):
         for n, t in ((1, 1e-3), (4, 9e-3), (5, 2e-3), (8, 2.6e-3)):
             cm.observe(0, "verify", n, t)
+    assert cm.level.get(0, 1.0) == 1.0
     assert cm.verify(0, 4) == cm.verify(0, 5) == pytest.approx(2e-3)
     assert cm.verify(0, 1) == pytest.approx(1e-3)  # below every larger count: its own
     steep = Costs(window=16, min_samples=3, q=0.1)

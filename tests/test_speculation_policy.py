@@ -230,6 +230,14 @@ def test_the_policy_state_survives_json_and_rejects_bad_state():
     bad["costs"][0][3] = [-1.0]
     with pytest.raises(ValueError, match="cost"):
         Policy().load_state(bad)
+    # the host's level travels with the timings it divides
+    pol.costs.level[0] = 1.5
+    again.load_state(json.loads(json.dumps(pol.state())))
+    assert again.costs.verify(0, 4) == pol.costs.verify(0, 4)
+    bad = pol.state()
+    bad["level"]["0"] = 0.0
+    with pytest.raises(ValueError, match="level"):
+        Policy().load_state(bad)
 
 
 def test_policy_cache_round_trip_corrupt_and_foreign_files(tmp_path, monkeypatch):

@@ -7,9 +7,9 @@ with the best chain depth, using what the request's rounds kept so far (a surviv
 row, pooled per context band across requests); after drafting, it picks the best prefix of the
 drafter's chain and of the best-first tree, using the calibrated acceptance of each node (by
 depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
-timings, so preempted rounds move nothing: verify by node count, draft by row, and the rest of
-a round by kind. The admission EMA is DESIGN.md's: trees only while the chain's acceptance is
-below its threshold.
+timings, so preempted rounds move nothing: verify by node count (times the host's level, which
+follows a shared host's load), draft by row, and the rest of a round by kind. The admission EMA is
+DESIGN.md's: trees only while the chain's acceptance is below its threshold.
 
 Every choice changes speed only: any tree's walk commits the target's own picks.
 """
@@ -65,10 +65,9 @@ class PolicyParams:
                                  # preempts many, and a preempted round is not what the size costs
     min_samples: int = 3         # a size timed this often is priced by its own timings, else the line
     prior_strength: float = 4.0  # pseudo-counts a cell (or a request's row) borrows from the level above
-    explore: float = 0.0625      # share of rounds taking a random option within 10% of the best:
-                                 # a size priced by the line alone is timed (on a loaded host a
-                                 # verify's cost can stay flat over many node counts)
     first_rows: int = 3          # rows a band drafts before any cost is timed: a short, cheap first look
+    explore: float = 0.0625      # share of rounds taking a random option within 10% of the best, so
+                                 # the sizes near the optimum stay timed
     probe_budget: float = 0.05   # the most of a plain stretch's time that speculative probes may cost
     plain_sd: float = 2.0        # plain only while it beats speculation's rate with each row's chance
                                  # this many posterior sds up: a few unlucky rounds prove nothing
@@ -81,8 +80,8 @@ class PolicyParams:
             raise ValueError(f"window, min_samples and first_rows must be >= 1: {self!r}")
         if not (0 <= self.explore < 1 and 0 < self.probe_budget < 1 and 0 <= self.memory <= 1
                 and self.prior_strength > 0 and self.plain_sd >= 0 and 0 <= self.quantile <= 1):
-            raise ValueError(f"explore in [0, 1), probe_budget in (0, 1), memory and quantile "
-                             f"in [0, 1], prior_strength > 0, plain_sd >= 0: {self!r}")
+            raise ValueError(f"explore, probe_budget, memory in [0, 1), quantile in [0, 1], "
+                             f"prior_strength > 0: {self!r}")
         return self
 
 
@@ -96,9 +95,26 @@ class Costs:
         self.window, self.min_samples, self.q = window, min_samples, q
         self.t: dict[tuple, deque] = {}
         self._tables: dict[int, tuple | None] = {}
+        # per band, the host's level: a shared host's load scales every node count at once, so
+        # verify timings are stored divided by the level they were taken at and priced at
+        # today's. Each timing of a count timed min_samples times votes timing / its median;
+        # the level is the median of the last few counts' votes and itself, so it moves only
+        # where two counts agree: one count that turns dear is that count's cost
+        self.level: dict[int, float] = {}
+        self._votes: dict[int, deque] = {}
 
     def observe(self, band: int, part: str, size, seconds: float) -> None:
         if part == "verify":
+            xs, level = self.t.get((band, part, size)), self.level.get(band, 1.0)
+            if xs and len(xs) >= self.min_samples:
+                # the last 2 * min_samples - 1 votes: a few rounds, so a change is followed
+                votes = self._votes.setdefault(band, deque(maxlen=2 * self.min_samples - 1))
+                votes.append((size, seconds / _median(xs)))
+                by_size = {n: [r for m, r in votes if m == n] for n, _ in votes}
+                if len(by_size) >= 2:
+                    level = self.level[band] = _median([_median(v) for v in by_size.values()]
+                                                       + [level])
+            seconds /= level
             self._tables[band] = None
         self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
 
@@ -130,8 +146,9 @@ class Costs:
         line, prices = self._table(band)
         if nodes not in prices and line is None:
             return None
-        return prices[nodes] if nodes in prices else min(
+        shape = prices[nodes] if nodes in prices else min(
             [line[0] + line[1] * nodes] + [p for n, p in prices.items() if n > nodes])
+        return shape * self.level.get(band, 1.0)
 
     def calibrated(self, band) -> bool:
         return self._table(band)[0] is not None
@@ -376,7 +393,8 @@ class Policy:
         for tree in candidates:
             e = acc.expected_tokens(tree)
             for w in range(min_width, tree.width + 1):
-                rate = e[w - 1] / max(self.costs.round(b, kind, w, rows), 1e-9)
+                t = self.costs.round(b, kind, w, rows)
+                rate = e[w - 1] / max(t, 1e-9)
                 near.append((rate, tree, w))
                 if rate > best[0]:
                     best = (rate, tree.prefix(w))
@@ -390,6 +408,7 @@ class Policy:
     def state(self) -> dict:
         return {"params": asdict(self.params),
                 "costs": [[b, p, s, list(v)] for (b, p, s), v in self.costs.t.items()],
+                "level": {str(b): v for b, v in self.costs.level.items()},
                 "acceptance": {str(b): [a.offered.tolist(), a.accepted.tolist()]
                                for b, a in [(-1, self.acceptance)] + sorted(self.bands.items())},
                 "rows": {str(b): [list(r), list(k)] for b, (r, k) in self.rows.items()}}
@@ -403,6 +422,10 @@ class Policy:
                     isinstance(x, (int, float)) and x >= 0 for x in v):
                 raise ValueError(f"bad cost entry {(b, p, size)!r}")
             costs.t[int(b), p, size] = deque(map(float, v), maxlen=self.params.window)
+        for b, v in s.get("level", {}).items():
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"bad cost level {v!r} for band {b}")
+            costs.level[int(b)] = float(v)
         bands = {}
         for b, (off, ok) in s["acceptance"].items():
             a = self.acceptance if int(b) == -1 else Acceptance(self.params.prior_strength,
