@@ -95,6 +95,7 @@ class Costs:
         self.window, self.min_samples, self.q = window, min_samples, q
         self.t: dict[tuple, deque] = {}
         self._tables: dict[int, tuple | None] = {}
+        self._quantiles: dict[tuple, float] = {}  # cost() per key, until its next timing
         # per band, the host's level: a shared host's load scales every node count at once, so
         # verify timings are stored divided by the level they were taken at and priced at
         # today's. Each timing of a count timed min_samples times votes timing / its median;
@@ -117,10 +118,19 @@ class Costs:
             seconds /= level
             self._tables[band] = None
         self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
+        self._quantiles.pop((band, part, size), None)
 
     def cost(self, band, part, size, default=None):
-        xs = self.t.get((band, part, size))
-        return quantile(xs, self.q) if xs else default
+        # a round asks for the same few costs dozens of times (every option it prices): each
+        # quantile is computed once per timing, as the policy's Python is part of every round
+        key = (band, part, size)
+        q = self._quantiles.get(key)
+        if q is None:
+            xs = self.t.get(key)
+            if not xs:
+                return default
+            q = self._quantiles[key] = quantile(xs, self.q)
+        return q
 
     def verify_sizes(self, band) -> list:
         return sorted(s for b, p, s in self.t if b == band and p == "verify")
@@ -191,6 +201,14 @@ class Acceptance:
 
     def tables(self):
         """(chance, log chance) of every cell; recomputed only after an observe()."""
+        return self._tables()[:2]
+
+    def rank0_means(self) -> list:
+        """Per depth group on the drafter's line, a rank-0 candidate's chance averaged over
+        the buckets (Policy.row_keep's prior, asked for several times a round)."""
+        return self._tables()[2]
+
+    def _tables(self):
         v = self._versions()
         if self._cache[0] != v:
             k = self.strength
@@ -199,7 +217,8 @@ class Acceptance:
             else:
                 prior = self.parent.tables()[0]
             chance = (self.accepted + k * prior) / (self.offered + k)
-            self._cache = (v, (chance, np.log(np.maximum(chance, 1e-12))))
+            self._cache = (v, (chance, np.log(np.maximum(chance, 1e-12)),
+                               [float(chance[g, 0].mean()) for g in range(self.DEPTHS)]))
         return self._cache[1]
 
     def chance(self, rank, logprob, depth, off=False):
@@ -367,12 +386,11 @@ class Policy:
         """The band's pooled chance that row j is kept given rows before it were, j = 0..max_rows
         (index 0 unused), with the calibrated acceptance of a rank-0 candidate at that depth as
         the prior."""
-        chance = self.acceptance_for(BANDS[band - 1] if band else 0).tables()[0]
+        priors = self.acceptance_for(BANDS[band - 1] if band else 0).rank0_means()
         reached, kept = self.rows.get(band, ([0.0] * 33, [0.0] * 33))
         k, out = self.params.prior_strength, [1.0]
         for j in range(1, max_rows + 1):
-            prior = float(chance[min(j, Acceptance.DEPTHS) - 1, 0].mean())
-            out.append((kept[j] + k * prior) / (reached[j] + k))
+            out.append((kept[j] + k * priors[min(j, Acceptance.DEPTHS) - 1]) / (reached[j] + k))
         return out
 
     def end_request(self, req: Request) -> None:
@@ -388,12 +406,15 @@ class Policy:
     def choose(self, candidates, ctx: int, rows: int, kind: str, min_width: int = 1) -> Tree:
         """The prefix of a candidate tree (the best-first tree, the drafter's chain) with the most
         expected tokens per second; `rows` were drafted (their cost is in every option)."""
-        b, acc, near = band_of(ctx), self.acceptance_for(ctx), []
+        b, acc, near, c = band_of(ctx), self.acceptance_for(ctx), [], self.costs
+        # Costs.round's sum, in its order, with the parts every option shares looked up once
+        drafted = rows * c.cost(b, "draft", 0, 0.0)
+        rest = c.cost(b, "rest", kind, c.cost(b, "rest", "chain", 0.0))
         best = (-1.0, candidates[0].prefix(1))
         for tree in candidates:
-            e = acc.expected_tokens(tree)
+            e = acc.expected_tokens(tree).tolist()
             for w in range(min_width, tree.width + 1):
-                t = self.costs.round(b, kind, w, rows)
+                t = c.verify(b, w) + drafted + rest
                 rate = e[w - 1] / max(t, 1e-9)
                 near.append((rate, tree, w))
                 if rate > best[0]:
