@@ -292,16 +292,26 @@ class Request:
             out.append(s)
         return out
 
-    def chain_plan(self, max_rows: int | None = None, sd: float = 0.0, near: float = 0.0):
+    def _rows(self, max_rows: int | None) -> int:
+        return self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
+
+    def _chain_seconds(self, m: int) -> list:
+        """Predicted seconds of a chain round of d rows, d = 1..m (None: unpriced)."""
+        return [self.policy.costs.round(self.band, "chain", d + 1, d) for d in range(1, m + 1)]
+
+    def chain_plan(self, max_rows: int | None = None, sd: float = 0.0, near: float = 0.0,
+                   seconds: list | None = None):
         """(rows, expected tokens / second) of the best chain depth; rate None when unpriced.
         After a round that kept every row, two rows more where that rates within `near` of the
-        best (0: always; verify="chain" asks for speculation whatever plain decoding costs)."""
-        costs, b = self.policy.costs, self.band
-        m = self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
+        best (0: always; verify="chain" asks for speculation whatever plain decoding costs).
+        seconds: _chain_seconds(m), when the caller has them (plan() asks twice)."""
+        m = self._rows(max_rows)
+        seconds = self._chain_seconds(m) if seconds is None else seconds
+        survival = self.survival(sd)
         best, e = (min(self.policy.params.first_rows, m), None), 1.0
-        for d, s in enumerate(self.survival(sd)[:m], start=1):
+        for d, s in enumerate(survival[:m], start=1):
             e += s
-            t = costs.round(b, "chain", d + 1, d)
+            t = seconds[d - 1]
             if t is not None and (best[1] is None or e / t > best[1]):
                 best = (d, e / t)
         # a round that kept every row it verified says nothing of the rows past it, whose
@@ -309,8 +319,8 @@ class Request:
         depth, kept = self.last
         if depth and kept == depth and best[0] < min(depth + 2, m):
             d = min(depth + 2, m)
-            t = costs.round(b, "chain", d + 1, d)
-            rate = None if t is None else (1.0 + sum(self.survival(sd)[:d])) / t
+            t = seconds[d - 1]
+            rate = None if t is None else (1.0 + sum(survival[:d])) / t
             if rate is None or best[1] is None or rate >= near * best[1]:
                 best = (d, rate)
         return best
@@ -318,8 +328,9 @@ class Request:
     def plan(self, behind: int, max_rows: int):
         """Before drafting: ("plain", 0), ("chain", rows) or ("wide", rows)."""
         p, costs = self.policy.params, self.policy.costs
-        rows, rate = self.chain_plan(max_rows, near=0.9)
-        hope = self.chain_plan(max_rows, p.plain_sd, near=0.9)[1]
+        seconds = self._chain_seconds(self._rows(max_rows))
+        rows, rate = self.chain_plan(max_rows, near=0.9, seconds=seconds)
+        hope = self.chain_plan(max_rows, p.plain_sd, near=0.9, seconds=seconds)[1]
         plain_s = costs.round(self.band, "plain", 1, 0)
         self.probing = False
         if hope is not None and plain_s is not None and hope * plain_s < 1.0:
