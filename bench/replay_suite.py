@@ -41,6 +41,23 @@ XA = os.path.join(HERE, "results", "xeon_amx")
 XQ = os.path.join(XA, "quiet")
 PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
 UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
+
+
+def xeon_set(name: str, folder: str) -> list:
+    """One Xeon recording session's four entries: padded and bundled, depths and cohort."""
+    return [
+        (f"{name} padded depths", [os.path.join(folder, "padded", f) for f in (
+            "replay_depths.json", "replay_depth32k.json")], PADDED),
+        (f"{name} padded cohort", [os.path.join(folder, "padded", "replay_cohort.json")],
+         dict(PADDED, shared=True)),
+        (f"{name} bundled depths", [os.path.join(folder, f) for f in (
+            "replay_depths_unpadded.json", "replay_depth32k_unpadded.json")],
+         dict(UNPADDED, max_tokens=64)),
+        (f"{name} bundled cohort", [os.path.join(folder, "replay_cohort_unpadded.json")],
+         dict(UNPADDED, shared=True)),
+    ]
+
+
 # name, recordings, replay options (python_ms: the policy's Python a round on that target)
 SUITE = [
     ("avx2 padded depths", [os.path.join(Z3, "padded", f) for f in (
@@ -60,15 +77,7 @@ SUITE = [
      dict(UNPADDED, max_tokens=64)),
     ("vnni bundled cohort", [os.path.join(Z4, "replay_cohort_unpadded.json")],
      dict(UNPADDED, shared=True)),
-    ("amx padded depths", [os.path.join(XA, "padded", f) for f in (
-        "replay_depths.json", "replay_depth32k.json")], PADDED),
-    ("amx padded cohort", [os.path.join(XA, "padded", "replay_cohort.json")],
-     dict(PADDED, shared=True)),
-    ("amx bundled depths", [os.path.join(XA, f) for f in (
-        "replay_depths_unpadded.json", "replay_depth32k_unpadded.json")],
-     dict(UNPADDED, max_tokens=64)),
-    ("amx bundled cohort", [os.path.join(XA, "replay_cohort_unpadded.json")],
-     dict(UNPADDED, shared=True)),
+] + xeon_set("amx", XA) + [
     # recordings that kept every timing (issue 39, stop 42): charged at the policy's quantile
     ("amx bundled depths, every timing", [os.path.join(XA, f) for f in (
         "replay_depths_unpadded_alltimes.json", "replay_depth32k_unpadded_alltimes.json")],
@@ -77,17 +86,8 @@ SUITE = [
      PADDED),
     ("amx bundled cohort, every timing", [os.path.join(XA, "replay_cohort_unpadded_alltimes.json")],
      dict(UNPADDED, shared=True)),
-    # recorded on a quiet host (issue 39, stop 43: no other session's load, load average < 2)
-    ("amx quiet padded depths", [os.path.join(XQ, "padded", f) for f in (
-        "replay_depths.json", "replay_depth32k.json")], PADDED),
-    ("amx quiet padded cohort", [os.path.join(XQ, "padded", "replay_cohort.json")],
-     dict(PADDED, shared=True)),
-    ("amx quiet bundled depths", [os.path.join(XQ, f) for f in (
-        "replay_depths_unpadded.json", "replay_depth32k_unpadded.json")],
-     dict(UNPADDED, max_tokens=64)),
-    ("amx quiet bundled cohort", [os.path.join(XQ, "replay_cohort_unpadded.json")],
-     dict(UNPADDED, shared=True)),
-]
+    # xeon_set("amx quiet", XQ): recorded on a quiet host (stop 43: no other session's load)
+] + xeon_set("amx quiet", XQ)
 
 
 def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None) -> str:

@@ -80,12 +80,13 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
   std::priority_queue<Push, std::vector<Push>, decltype(later)> heap(later);
   GrownTree g;
   g.tokens = {root}; g.parents = {-1}; g.depth = {0}; g.rank = {-1}; g.logp = {0.0}; g.q = {0.0};
-  std::vector<char> off = {0};  // per node: off the drafter's line
+  // per node: are its children off the drafter's line (it is, or it is not its row's first)?
+  std::vector<char> kids_off = {0};
   int64_t order = 0;
   auto push = [&](int parent, int row, int rank) {
-    const bool line = parent > 0 && (off[parent] || g.rank[parent] > 0);
     if (row < rows && rank < counts[row])
-      heap.push({g.logp[parent] + step[line][row * k + rank], order++, parent, row, rank});
+      heap.push({g.logp[parent] + step[kids_off[parent]][row * k + rank], order++, parent, row,
+                 rank});
   };
   push(0, 0, 0);
   while (!heap.empty() && int(g.tokens.size()) < width) {
@@ -98,7 +99,7 @@ inline GrownTree grow_best_first(int64_t root, const int64_t* tokens, const doub
     g.rank.push_back(p.rank);
     g.logp.push_back(p.lp);
     g.q.push_back(logprobs[p.row * k + p.rank]);
-    off.push_back(p.parent > 0 && (off[p.parent] || g.rank[p.parent] > 0));
+    kids_off.push_back(kids_off[p.parent] || p.rank > 0);
     push(node, p.row + 1, 0);
     push(p.parent, p.row, p.rank + 1);
   }

@@ -168,8 +168,13 @@ class Costs:
         v = self.verify(band, nodes)
         if v is None:
             return None
-        return (v + rows * self.cost(band, "draft", 0, 0.0)
-                + self.cost(band, "rest", kind, self.cost(band, "rest", "chain", 0.0)))
+        drafted, rest = self.beside_verify(band, kind, rows)
+        return v + drafted + rest
+
+    def beside_verify(self, band, kind: str, rows: int) -> tuple:
+        """(drafting `rows`, the rest of a round of `kind`): what every option of a round shares."""
+        return (rows * self.cost(band, "draft", 0, 0.0),
+                self.cost(band, "rest", kind, self.cost(band, "rest", "chain", 0.0)))
 
 
 class Acceptance:
@@ -418,9 +423,7 @@ class Policy:
         """The prefix of a candidate tree (the best-first tree, the drafter's chain) with the most
         expected tokens per second; `rows` were drafted (their cost is in every option)."""
         b, acc, near, c = band_of(ctx), self.acceptance_for(ctx), [], self.costs
-        # Costs.round's sum, in its order, with the parts every option shares looked up once
-        drafted = rows * c.cost(b, "draft", 0, 0.0)
-        rest = c.cost(b, "rest", kind, c.cost(b, "rest", "chain", 0.0))
+        drafted, rest = c.beside_verify(b, kind, rows)  # Costs.round's sum, shared parts once
         best = (-1.0, candidates[0].prefix(1))
         for tree in candidates:
             e = acc.expected_tokens(tree).tolist()

@@ -105,14 +105,13 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
                                       1e-12)).tolist() for r in range(len(ks))]
         steps = (line_steps(False), line_steps(True))
     rows = len(tokens)
-    off = [False]  # per node: off the drafter's line
+    kids_off = [False]  # per node: are its children off the drafter's line (it is, or rank > 0)?
 
     def push(parent: int, row: int, rank: int):
         nonlocal counter
         if row < rows and rank < len(tokens[row]):
-            line = parent > 0 and (off[parent] or rnk[parent] > 0)
-            heapq.heappush(heap, (-(lps[parent] + steps[line][row][rank]), counter, parent,
-                                  row, rank))
+            heapq.heappush(heap, (-(lps[parent] + steps[kids_off[parent]][row][rank]), counter,
+                                  parent, row, rank))
             counter += 1
 
     push(0, 0, 0)
@@ -125,7 +124,7 @@ def grow(root: int, lattice: Lattice, width: int, chance=None) -> Tree:
         rnk.append(rank)
         lps.append(-neg)
         qs.append(logprobs[row][rank])
-        off.append(parent > 0 and (off[parent] or rnk[parent] > 0))
+        kids_off.append(kids_off[parent] or rank > 0)
         push(node, row + 1, 0)
         push(parent, row, rank + 1)
     return Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
