@@ -237,12 +237,15 @@ class Slot:
             try:
                 result = self.run(job)
             except Exception as e:  # the request fails, the slot goes on
-                job.emit("error", e)
+                event = ("error", e)
             else:
-                job.emit("done", result)
+                event = ("done", result)
             finally:
                 self.job = None
                 self._on_done(self, result)
+            # the slot is idle (and its turn-end snapshot cached) before the client hears: its
+            # next turn, sent at once, finds the slot that can resume it free
+            job.emit(*event)
 
     def _drafter(self, kind):
         kind = kind or self.default_drafter
