@@ -177,24 +177,22 @@ class Decoder:
         chain = trees.chain(root, lattice, rows)
         ctx, pol = self.engine.position, self.policy
         calibrated = pol.costs.calibrated(band_of(ctx))
-        if mode == "chain" and self.cfg.verify != "auto":
-            if calibrated or self.cfg.verify != "chain":
+        if mode == "chain":  # its rows are the plan's (chain_plan): the chain is verified whole
+            if calibrated or self.cfg.verify == "tree":
                 return chain, False, None, chain
             return chain, False, self._calibrate(chain, ctx), chain
+        grown = pol.acceptance_for(ctx).grow(root, lattice, min(self.cfg.width or 16, room))
         if mode == "tree":
-            full = pol.acceptance_for(ctx).grow(root, lattice, min(self.cfg.width or 16, room))
-            return full, True, None, full
-        cands = [chain]
-        if mode == "wide":  # the drafter's chain competes too: a confident deep chain can win
-            cands.append(pol.acceptance_for(ctx).grow(root, lattice,
-                                                      min(self.cfg.width or 16, room)))
-        kind, min_w = ("tree" if mode == "wide" else "chain"), (2 if self.req.probing else 1)
+            return grown, True, None, grown
+        # wide: the drafter's chain competes with the best-first tree (a confident deep chain
+        # can win), each by its best prefix
+        cands = [chain, grown]
         full = max(cands, key=lambda t: t.width)
         logits = None if calibrated else self._calibrate(full, ctx)
-        tree = pol.choose(cands, ctx, rows, kind, min_w)
+        tree = pol.choose(cands, ctx, rows, "tree", 2 if self.req.probing else 1)
         if not full.has_prefix(tree):  # the chain won over the tree: verified on its own
-            return tree, False, None, cands[-1]
-        return tree, not tree.is_chain, None if logits is None else logits[:tree.width], cands[-1]
+            return tree, False, None, grown
+        return tree, not tree.is_chain, None if logits is None else logits[:tree.width], grown
 
     def _calibrate(self, full, ctx):
         """A band with fewer than two node counts timed: verify the root alone, then `full`,

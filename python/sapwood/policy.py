@@ -96,6 +96,7 @@ class Costs:
         self.t: dict[tuple, deque] = {}
         self._tables: dict[int, tuple | None] = {}
         self._quantiles: dict[tuple, float] = {}  # cost() per key, until its next timing
+        self._prices: dict[int, np.ndarray] = {}  # verify_prices() per band, likewise
         # per band, the host's level: a shared host's load scales every node count at once, so
         # verify timings are stored divided by the level they were taken at and priced at
         # today's. Each timing of a count timed min_samples times votes timing / its median;
@@ -116,7 +117,7 @@ class Costs:
                     level = self.level[band] = _median([_median(v) for v in by_size.values()]
                                                        + [level])
             seconds /= level
-            self._tables[band] = None
+            self._tables[band] = self._prices[band] = None
         self.t.setdefault((band, part, size), deque(maxlen=self.window)).append(float(seconds))
         self._quantiles.pop((band, part, size), None)
 
@@ -159,6 +160,15 @@ class Costs:
         shape = prices[nodes] if nodes in prices else min(
             [line[0] + line[1] * nodes] + [p for n, p in prices.items() if n > nodes])
         return shape * self.level.get(band, 1.0)
+
+    def verify_prices(self, band, nodes: int) -> np.ndarray:
+        """verify(band, n) for n = 1..nodes (a calibrated band), kept until its next verify
+        timing: choose() prices every prefix of every candidate each round."""
+        prices = self._prices.get(band)
+        if prices is None or len(prices) < nodes:
+            prices = self._prices[band] = np.array(
+                [self.verify(band, n) for n in range(1, max(nodes, 16) + 1)])
+        return prices[:nodes]
 
     def calibrated(self, band) -> bool:
         return self._table(band)[0] is not None
@@ -422,22 +432,22 @@ class Policy:
     def choose(self, candidates, ctx: int, rows: int, kind: str, min_width: int = 1) -> Tree:
         """The prefix of a candidate tree (the best-first tree, the drafter's chain) with the most
         expected tokens per second; `rows` were drafted (their cost is in every option)."""
-        b, acc, near, c = band_of(ctx), self.acceptance_for(ctx), [], self.costs
+        b, acc, c = band_of(ctx), self.acceptance_for(ctx), self.costs
         drafted, rest = c.beside_verify(b, kind, rows)  # Costs.round's sum, shared parts once
-        best = (-1.0, candidates[0].prefix(1))
+        rates = []  # per candidate, the rate of its prefixes of min_width .. width nodes
         for tree in candidates:
-            e = acc.expected_tokens(tree).tolist()
-            for w in range(min_width, tree.width + 1):
-                t = c.verify(b, w) + drafted + rest
-                rate = e[w - 1] / max(t, 1e-9)
-                near.append((rate, tree, w))
-                if rate > best[0]:
-                    best = (rate, tree.prefix(w))
-        if near and self.rng.random() < self.params.explore:
-            pick = [c for c in near if c[0] >= 0.9 * best[0]]
-            _, tree, w = pick[int(self.rng.integers(len(pick)))]
-            return tree.prefix(w)
-        return best[1]
+            t = c.verify_prices(b, tree.width)[min_width - 1:] + drafted + rest
+            rates.append(acc.expected_tokens(tree)[min_width - 1:] / np.maximum(t, 1e-9))
+        best, pick = -1.0, (candidates[0], 1)
+        for tree, r in zip(candidates, rates):
+            if len(r) and r.max() > best:  # the first of equals, as a strict scan would keep
+                i = int(r.argmax())
+                best, pick = float(r[i]), (tree, min_width + i)
+        if best >= 0 and self.rng.random() < self.params.explore:
+            near = [(tree, min_width + i) for tree, r in zip(candidates, rates)
+                    for i in np.flatnonzero(r >= 0.9 * best).tolist()]
+            pick = near[int(self.rng.integers(len(near)))]
+        return pick[0].prefix(pick[1])
 
     # persistence: plain data only (policy_cache.py writes it as JSON)
     def state(self) -> dict:
