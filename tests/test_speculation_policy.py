@@ -208,10 +208,63 @@ def test_a_wide_round_drafts_one_row_more_while_the_last_tree_reached_its_deepes
     assert kind == "wide" and rows == best + 1
 
 
+def test_wide_rounds_are_taken_unless_they_lose_to_the_chain_rounds_they_replace():
+    """DESIGN.md's EMA admits wide rounds; they are taken unless, over the band's wide rounds,
+    a wide round kept fewer tokens than the plan's chain round would have in its time (both
+    priced by the band's costs), by plain_sd standard errors; then at the exploration share."""
+    pol = with_chances(timed(Policy(), lambda w: 0.01 + 0.001 * w, draft_row=1e-4), [0.6, 0.3])
+    req, b, tree = pol.request(64, 8), band_of(64), grow(1, lattice(), 8)
+    for _ in range(12):
+        req.observe(2, 1, True)
+    assert req.wide() and req.plan(0, 8)[0] == "wide" and req.chain_rows > 0
+    price = pol.costs.round(b, "tree", 8, 4) / pol.costs.round(b, "chain", 4, 3)
+    line = [1, 10, 11, 12]  # the drafter's chain, root first
+    lucky = [10, 98, 5]  # 3 tokens; the chain would have kept its first row: 2
+    # 2 tokens, the tree stopped at its first row; the chain would have kept its second (3
+    # tokens), and maybe more: a lower bound
+    unlucky = [10, 11]
+    def judged(picks, chain_rows=3):
+        before = list(pol.wide_vs_chain.get(b, [0.0] * 3))
+        pol.judge(b, tree, 4, picks, line, chain_rows)
+        return pol.wide_vs_chain[b][0] - before[0]
+    assert judged(lucky) == pytest.approx(3 - 2 * price)
+    assert judged(unlucky) == pytest.approx(2 - 3 * price)
+    for _ in range(pol.params.window - 3):
+        judged(unlucky)
+    assert pol.wide_pays(b)  # too few rounds to tell (window - 1)
+    judged(unlucky)
+    assert not pol.wide_pays(b)
+    # four lucky rounds to an unlucky one: a little below the chain, and the rounds vary
+    del pol.wide_vs_chain[b]
+    for _ in range(4):
+        [judged(lucky) for _ in range(4)], judged(unlucky)
+    assert price > 1 and pol.wide_vs_chain[b][0] < 0 and pol.wide_pays(b)
+    for _ in range(200):
+        [judged(lucky) for _ in range(4)], judged(unlucky)
+    assert not pol.wide_pays(b)  # a thousand rounds tell
+    kinds = [req.plan(0, 8)[0] for _ in range(3000)]
+    assert set(kinds) == {"chain", "wide"}
+    assert abs(kinds.count("wide") / len(kinds) - pol.params.explore) < 0.02
+    n = pol.wide_vs_chain[b][2]
+    req.finish()  # the evidence decays per request
+    assert pol.wide_vs_chain[b][2] == pytest.approx(pol.params.memory * n)
+    for _ in range(100):
+        judged([10, 98, 5, 6, 7])  # wide rounds turn luckier
+    assert pol.wide_pays(b) and req.plan(0, 8)[0] == "wide"
+    assert pol.request(64, 8).plan(0, 8)[0] == "chain"  # the EMA at 8 admits no wide round
+    # the plan's rows cap the chain's (2 rows: 3 tokens), priced as such
+    assert judged([10, 11, 12, 13], chain_rows=2) == pytest.approx(4 - 3 * price * pol.costs.round(
+        b, "chain", 4, 3) / pol.costs.round(b, "chain", 3, 2))
+    fresh = Policy()
+    fresh.judge(b, tree, 4, [10, 11, 99], line, 3)  # no costs timed: nothing to judge by
+    assert fresh.wide_vs_chain == {} and fresh.wide_pays(b)
+
+
 def test_the_policy_state_survives_json_and_rejects_bad_state():
     pol = with_chances(timed(Policy(), lambda w: 0.01 + 0.001 * w), [0.6, 0.3])
     req = pol.request(3000, 8)
     req.observe(5, 3, True)
+    pol.judge(band_of(64), grow(1, lattice(), 8), 4, [5, 6], [1, 5, 7], 2)
     req.finish()
     again = Policy()
     again.load_state(json.loads(json.dumps(pol.state())))
@@ -221,10 +274,16 @@ def test_the_policy_state_survives_json_and_rejects_bad_state():
         a, z = (pol.acceptance, again.acceptance) if b == -1 else (pol.bands[b], again.bands[b])
         assert (a.offered == z.offered).all() and (a.accepted == z.accepted).all()
     assert again.request(3000, 8).survival() == pol.request(3000, 8).survival()
+    assert again.wide_vs_chain == pol.wide_vs_chain
+    assert pol.wide_vs_chain[band_of(64)][2] == pol.params.memory  # one round, one request
     assert (again.acceptance_for(64).tables()[0] == pol.acceptance_for(64).tables()[0]).all()
     bad = pol.state()
     bad["acceptance"]["-1"][1][0][0][0] = 1e9  # accepted > offered
     with pytest.raises(ValueError, match="acceptance"):
+        Policy().load_state(bad)
+    bad = pol.state()
+    bad["wide_vs_chain"][str(band_of(64))] = [1.0, -2.0, 3]
+    with pytest.raises(ValueError, match="wide_vs_chain"):
         Policy().load_state(bad)
     bad = pol.state()
     bad["costs"][0][3] = [-1.0]

@@ -187,6 +187,7 @@ class Decoder:
         # wide: the drafter's chain competes with the best-first tree (a confident deep chain
         # can win), each by its best prefix
         cands = [chain, grown]
+        self._chain = chain  # _learn judges the wide round against the chain's
         full = max(cands, key=lambda t: t.width)
         logits = None if calibrated else self._calibrate(full, ctx)
         tree = pol.choose(cands, ctx, rows, "tree", 2 if self.req.probing else 1)
@@ -334,6 +335,9 @@ class Decoder:
                 break
             mapped.append(node)
         self.policy.acceptance_for(ctx).observe(learn_from, mapped, picks[:len(mapped)])
+        if mode == "wide" and self.cfg.adapt_rows:
+            self.policy.judge(b, tree, rows, picks, self._chain.tokens.tolist(),
+                              self.req.chain_rows)
         verified_depth = int(tree.depth.max())
         judged_next = bool((tree.parents == path[-1]).any())
         self.req.observe(verified_depth, len(path) - 1, judged_next)

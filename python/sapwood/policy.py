@@ -9,7 +9,10 @@ drafter's chain and of the best-first tree, using the calibrated acceptance of e
 depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
 timings, so preempted rounds move nothing: verify by node count (times the host's level, which
 follows a shared host's load), draft by row, and the rest of a round by kind. The admission EMA is
-DESIGN.md's: trees only while the chain's acceptance is below its threshold.
+DESIGN.md's: trees only while the chain's acceptance is below its threshold, and then only while
+the band's wide rounds have not been shown to keep fewer tokens per second than the chain rounds
+they replaced would have (their picks tell what the chain would have kept): where a round's own
+Python is as large as a small target's verify, trees can lose.
 
 Every choice changes speed only: any tree's walk commits the target's own picks.
 """
@@ -70,7 +73,8 @@ class PolicyParams:
                                  # the sizes near the optimum stay timed
     probe_budget: float = 0.05   # the most of a plain stretch's time that speculative probes may cost
     plain_sd: float = 2.0        # plain only while it beats speculation's rate with each row's chance
-                                 # this many posterior sds up: a few unlucky rounds prove nothing
+                                 # this many posterior sds up, chain rounds for wide ones only while
+                                 # wide rounds lose by this many: a few unlucky rounds prove nothing
     memory: float = 0.9          # per request, the decay of a band's pooled row counts (~10 requests)
 
     def validate(self) -> "PolicyParams":
@@ -288,6 +292,7 @@ class Request:
         self.last = (0, 0)     # the last speculative round's (verified depth, rows kept)
         self.probing = False   # is this round a probe after plain rounds?
         self.wide_rows = 0     # rows this round drafts for a tree (0: not a wide round)
+        self.chain_rows = 0    # the rows the plan chose for a chain round
         self.deep = True       # did the last wide round's tree reach its deepest drafted row?
 
     def wide(self) -> bool:
@@ -345,6 +350,7 @@ class Request:
         p, costs = self.policy.params, self.policy.costs
         seconds = self._chain_seconds(self._rows(max_rows))
         rows, rate = self.chain_plan(max_rows, near=0.9, seconds=seconds)
+        self.chain_rows = rows
         hope = self.chain_plan(max_rows, p.plain_sd, near=0.9, seconds=seconds)[1]
         plain_s = costs.round(self.band, "plain", 1, 0)
         self.probing = False
@@ -359,7 +365,8 @@ class Request:
                 return "plain", 0
             self.probing = True
         self.plain_run = 0
-        if self.wide():
+        pays = self.policy.wide_pays(self.band)
+        if self.wide() and (pays or self.policy.rng.random() < p.explore):
             # one row past the chain's best depth lets a tree extend its likeliest path: drafted
             # while the last wide round's tree reached its deepest row, else a row paid for nothing
             self.wide_rows = min(rows + self.deep, max_rows)
@@ -396,6 +403,9 @@ class Policy:
         self.acceptance = Acceptance(self.params.prior_strength)
         self.bands: dict[int, Acceptance] = {}
         self.rows: dict[int, list] = {}   # band -> [reached[], kept[]], decayed per request
+        # band -> [sum, sum of squares, count] over wide rounds of the tokens each kept beyond
+        # what the chain round it replaced would have in its time (judge), decayed per request
+        self.wide_vs_chain: dict[int, list] = {}
         self.rng = np.random.default_rng(seed)
         self.on_request_end = None        # policy_cache saves here
 
@@ -419,6 +429,35 @@ class Policy:
             out.append((kept[j] + k * priors[min(j, Acceptance.DEPTHS) - 1]) / (reached[j] + k))
         return out
 
+    def judge(self, band: int, tree: Tree, rows: int, picks: list, line: list,
+              chain_rows: int) -> None:
+        """A wide round verified `tree` after drafting `rows`, and the target's picks along its
+        path were `picks` (one per path node: it kept len(picks) tokens). The chain round its
+        plan chose, `chain_rows` rows of the drafter's `line` (root first), would have kept its
+        rows while those picks are its tokens (at least: the tree may stop first). Both priced
+        by the band's costs: wide rounds against the chain rounds they replaced, on the same
+        contexts (the ones the admission EMA chose)."""
+        r = min(chain_rows, len(line) - 1, len(picks))
+        kept = next((d for d in range(r) if picks[d] != line[d + 1]), r)
+        wide = self.costs.round(band, "tree", tree.width, rows)
+        chain = self.costs.round(band, "chain", chain_rows + 1, chain_rows)
+        if wide is not None and chain is not None:
+            x = len(picks) - (kept + 1) * wide / chain  # beyond the chain's in the same time
+            s = self.wide_vs_chain.setdefault(band, [0.0, 0.0, 0.0])
+            for i, v in enumerate((x, x * x, 1.0)):
+                s[i] += v
+
+    def wide_pays(self, band: int) -> bool:
+        """Yes (DESIGN.md's admission alone) unless the band's last wide rounds (`window` at
+        least) kept fewer tokens than the chain would have in their time, by plain_sd
+        standard errors."""
+        s = self.wide_vs_chain.get(band)
+        if s is None or s[2] < self.params.window:
+            return True
+        mean = s[0] / s[2]
+        se = (max(s[1] / s[2] - mean * mean, 0.0) / s[2]) ** 0.5
+        return mean + self.params.plain_sd * se >= 0
+
     def end_request(self, req: Request) -> None:
         reached, kept = self.rows.setdefault(req.band, ([0.0] * 33, [0.0] * 33))
         m = self.params.memory
@@ -426,6 +465,8 @@ class Policy:
             r = req.reached[j] if j < len(req.reached) else 0.0
             c = req.kept[j] if j < len(req.kept) else 0.0
             reached[j], kept[j] = m * reached[j] + r, m * kept[j] + c
+        for v in self.wide_vs_chain.values():
+            v[:] = [m * x for x in v]
         if self.on_request_end is not None:
             self.on_request_end(self)
 
@@ -456,7 +497,8 @@ class Policy:
                 "level": {str(b): v for b, v in self.costs.level.items()},
                 "acceptance": {str(b): [a.offered.tolist(), a.accepted.tolist()]
                                for b, a in [(-1, self.acceptance)] + sorted(self.bands.items())},
-                "rows": {str(b): [list(r), list(k)] for b, (r, k) in self.rows.items()}}
+                "rows": {str(b): [list(r), list(k)] for b, (r, k) in self.rows.items()},
+                "wide_vs_chain": {str(b): list(v) for b, v in self.wide_vs_chain.items()}}
 
     def load_state(self, s: dict) -> None:
         """Take in state() of an earlier process; raises ValueError if it does not fit."""
@@ -486,4 +528,7 @@ class Policy:
                 for b, (r, k) in s["rows"].items()}
         if any(len(r) != 33 or len(k) != 33 for r, k in rows.values()):
             raise ValueError("bad row counts")
-        self.costs, self.bands, self.rows = costs, bands, rows
+        wide = {int(b): list(map(float, v)) for b, v in s.get("wide_vs_chain", {}).items()}
+        if any(len(v) != 3 or min(v[1:]) < 0 for v in wide.values()):
+            raise ValueError(f"bad wide_vs_chain {s['wide_vs_chain']!r}")
+        self.costs, self.bands, self.rows, self.wide_vs_chain = costs, bands, rows, wide
