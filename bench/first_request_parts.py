@@ -34,7 +34,7 @@ def first_requests(rec, opts, seed, requests):
     warm = R.new_state(seed=seed)
     for i in range(requests):
         run("auto", warm, i)
-    fresh, full = R.new_state(seed=seed).state(), warm.state()
+    fresh, full = json.loads(R.saved_state(R.new_state(seed=seed))), json.loads(R.saved_state(warm))
     out = {}
     for name, keys in PARTS.items():
         s = dict(fresh, **{k: full[k] for k in keys})

@@ -222,12 +222,16 @@ def new_state(saved=None, seed=0):
     params = json.loads(os.environ.get("SAPWOOD_REPLAY_PARAMS") or "{}")
     pol = G.Policy(PolicyParams(**params), seed=seed)
     if saved is not None:
-        pol.load_state(json.loads(saved))
+        from sapwood import policy_cache
+        policy_cache.load_state(pol, json.loads(saved))
     return pol
 
 
 def saved_state(pol):
-    return None if OLD else json.dumps(pol.state())
+    if OLD:
+        return None
+    from sapwood import policy_cache
+    return json.dumps(policy_cache.state(pol))
 
 
 def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None, noise=None,

@@ -267,7 +267,7 @@ def test_the_policy_state_survives_json_and_rejects_bad_state():
     pol.judge(band_of(64), grow(1, lattice(), 8), 4, [5, 6], [1, 5, 7], 2)
     req.finish()
     again = Policy()
-    again.load_state(json.loads(json.dumps(pol.state())))
+    policy_cache.load_state(again, json.loads(json.dumps(policy_cache.state(pol))))
     assert again.costs.t.keys() == pol.costs.t.keys()
     assert all(list(again.costs.t[k]) == list(v) for k, v in pol.costs.t.items())
     for b in [-1] + list(pol.bands):
@@ -277,26 +277,29 @@ def test_the_policy_state_survives_json_and_rejects_bad_state():
     assert again.wide_vs_chain == pol.wide_vs_chain
     assert pol.wide_vs_chain[band_of(64)][2] == pol.params.memory  # one round, one request
     assert (again.acceptance_for(64).tables()[0] == pol.acceptance_for(64).tables()[0]).all()
-    bad = pol.state()
-    bad["acceptance"]["-1"][1][0][0][0] = 1e9  # accepted > offered
+    bad = policy_cache.state(pol)
+    bad["acceptance"]["2"] = bad["acceptance"]["-1"]
+    bad["acceptance"]["2"][1][0][0][0] = 1e9  # accepted > offered, after valid bands
+    before = json.dumps(policy_cache.state(again))
     with pytest.raises(ValueError, match="acceptance"):
-        Policy().load_state(bad)
-    bad = pol.state()
+        policy_cache.load_state(again, bad)
+    assert json.dumps(policy_cache.state(again)) == before  # a bad state changes nothing
+    bad = policy_cache.state(pol)
     bad["wide_vs_chain"][str(band_of(64))] = [1.0, -2.0, 3]
     with pytest.raises(ValueError, match="wide_vs_chain"):
-        Policy().load_state(bad)
-    bad = pol.state()
+        policy_cache.load_state(Policy(), bad)
+    bad = policy_cache.state(pol)
     bad["costs"][0][3] = [-1.0]
     with pytest.raises(ValueError, match="cost"):
-        Policy().load_state(bad)
+        policy_cache.load_state(Policy(), bad)
     # the host's level travels with the timings it divides
     pol.costs.level[0] = 1.5
-    again.load_state(json.loads(json.dumps(pol.state())))
+    policy_cache.load_state(again, json.loads(json.dumps(policy_cache.state(pol))))
     assert again.costs.verify(0, 4) == pol.costs.verify(0, 4)
-    bad = pol.state()
+    bad = policy_cache.state(pol)
     bad["level"]["0"] = 0.0
     with pytest.raises(ValueError, match="level"):
-        Policy().load_state(bad)
+        policy_cache.load_state(Policy(), bad)
 
 
 def test_policy_cache_round_trip_corrupt_and_foreign_files(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -395,7 +395,8 @@ class Request:
 
 class Policy:
     """The speculation state a model keeps per drafter across requests (Model.speculation_policy):
-    costs, acceptance and row survival per context band. Persisted by policy_cache."""
+    costs, acceptance and row survival per context band. Persisted by policy_cache (its state()
+    and load_state())."""
 
     def __init__(self, params: PolicyParams | None = None, seed: int = 0):
         self.params = (params or PolicyParams()).validate()
@@ -489,46 +490,3 @@ class Policy:
                     for i in np.flatnonzero(r >= 0.9 * best).tolist()]
             pick = near[int(self.rng.integers(len(near)))]
         return pick[0].prefix(pick[1])
-
-    # persistence: plain data only (policy_cache.py writes it as JSON)
-    def state(self) -> dict:
-        return {"params": asdict(self.params),
-                "costs": [[b, p, s, list(v)] for (b, p, s), v in self.costs.t.items()],
-                "level": {str(b): v for b, v in self.costs.level.items()},
-                "acceptance": {str(b): [a.offered.tolist(), a.accepted.tolist()]
-                               for b, a in [(-1, self.acceptance)] + sorted(self.bands.items())},
-                "rows": {str(b): [list(r), list(k)] for b, (r, k) in self.rows.items()},
-                "wide_vs_chain": {str(b): list(v) for b, v in self.wide_vs_chain.items()}}
-
-    def load_state(self, s: dict) -> None:
-        """Take in state() of an earlier process; raises ValueError if it does not fit."""
-        shape = self.acceptance.offered.shape
-        costs = Costs(self.params.window, self.params.min_samples, self.params.quantile)
-        for b, p, size, v in s["costs"]:
-            if p not in ("verify", "draft", "catch_up", "rest") or not all(
-                    isinstance(x, (int, float)) and x >= 0 for x in v):
-                raise ValueError(f"bad cost entry {(b, p, size)!r}")
-            costs.t[int(b), p, size] = deque(map(float, v), maxlen=self.params.window)
-        for b, v in s.get("level", {}).items():
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"bad cost level {v!r} for band {b}")
-            costs.level[int(b)] = float(v)
-        bands = {}
-        for b, (off, ok) in s["acceptance"].items():
-            a = self.acceptance if int(b) == -1 else Acceptance(self.params.prior_strength,
-                                                               parent=self.acceptance)
-            off, ok = np.array(off, float), np.array(ok, float)
-            if off.shape != shape or ok.shape != shape or (ok > off).any() or (ok < 0).any():
-                raise ValueError(f"bad acceptance counts for band {b}")
-            a.offered, a.accepted = off, ok
-            a.version += 1
-            if int(b) != -1:
-                bands[int(b)] = a
-        rows = {int(b): (list(map(float, r)), list(map(float, k)))
-                for b, (r, k) in s["rows"].items()}
-        if any(len(r) != 33 or len(k) != 33 for r, k in rows.values()):
-            raise ValueError("bad row counts")
-        wide = {int(b): list(map(float, v)) for b, v in s.get("wide_vs_chain", {}).items()}
-        if any(len(v) != 3 or min(v[1:]) < 0 for v in wide.values()):
-            raise ValueError(f"bad wide_vs_chain {s['wide_vs_chain']!r}")
-        self.costs, self.bands, self.rows, self.wide_vs_chain = costs, bands, rows, wide
