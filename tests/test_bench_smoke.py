@@ -120,6 +120,17 @@ def test_ab_arms_learn_their_own_policy(ckpt):
     assert by_arm["chain"] != by_arm["auto"]
 
 
+def test_policy_arms_each_arm_its_own_policy_and_parameters(ckpt, capsys):
+    states = bench_script("policy_arms").main([
+        "chain:chain", 'never_wide:auto:{"ema_wide_below": 0}', "--blocks", "1",
+        "--max-tokens", "6", "--model", str(ckpt)])
+    out = capsys.readouterr().out
+    assert "block 0: chain" in out and "never_wide: x" in out
+    (chain,), (never,) = states["chain"].values(), states["never_wide"].values()
+    assert chain is not never and never.params.ema_wide_below == 0
+    assert chain.params.ema_wide_below == 6.5 and never.costs.t  # it served its requests
+
+
 def test_accepted_by_width_uses_the_prefix_property():
     t = Tree(np.array([5, 1, 2, 3, 4]), np.array([-1, 0, 0, 1, 3]), np.array([0, 1, 1, 2, 3]),
              np.array([-1, 0, 1, 0, 0]), np.zeros(5))

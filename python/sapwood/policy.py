@@ -351,8 +351,11 @@ class Request:
         seconds = self._chain_seconds(self._rows(max_rows))
         rows, rate = self.chain_plan(max_rows, near=0.9, seconds=seconds)
         self.chain_rows = rows
-        hope = self.chain_plan(max_rows, p.plain_sd, near=0.9, seconds=seconds)[1]
         plain_s = costs.round(self.band, "plain", 1, 0)
+        # speculation's rate with every row's chance plain_sd sds up is at least 0.9 of its rate
+        # (chain_plan's near): asked for only where plain decoding might win
+        hope = None if plain_s is None or (rate is not None and rate * plain_s > 1.2) else (
+            self.chain_plan(max_rows, p.plain_sd, near=0.9, seconds=seconds)[1])
         self.probing = False
         if hope is not None and plain_s is not None and hope * plain_s < 1.0:
             # plain wins; probe once the probes' excess cost over plain decoding (the draft's
@@ -365,8 +368,7 @@ class Request:
                 return "plain", 0
             self.probing = True
         self.plain_run = 0
-        pays = self.policy.wide_pays(self.band)
-        if self.wide() and (pays or self.policy.rng.random() < p.explore):
+        if self.wide() and self.policy.wide_pays(self.band):
             # one row past the chain's best depth lets a tree extend its likeliest path: drafted
             # while the last wide round's tree reached its deepest row, else a row paid for nothing
             self.wide_rows = min(rows + self.deep, max_rows)
@@ -451,7 +453,8 @@ class Policy:
     def wide_pays(self, band: int) -> bool:
         """Yes (DESIGN.md's admission alone) unless the band's last wide rounds (`window` at
         least) kept fewer tokens than the chain would have in their time, by plain_sd
-        standard errors."""
+        standard errors. The evidence decays per request: a band that stopped them takes wide
+        rounds again once it weighs less than `window` rounds, to see whether they still lose."""
         s = self.wide_vs_chain.get(band)
         if s is None or s[2] < self.params.window:
             return True
