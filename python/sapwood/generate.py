@@ -317,14 +317,9 @@ class Decoder:
                 costs.observe(b, "verify", 1, self.verify_s)
                 costs.observe(b, "rest", "plain", max(round_s - self.verify_s, 0.0))
             return
+        t_learn = self.clock()
         rows, draft_s = self._drafted
         self._drafted = (0, 0.0)
-        if rows:
-            costs.observe(b, "draft", 0, draft_s / rows)
-        if not calibration:  # a calibration round has fed its own verify timings
-            costs.observe(b, "verify", tree.width, self.verify_s)
-        kind = "tree" if mode in ("wide", "tree") else "chain"
-        costs.observe(b, "rest", kind, max(round_s - self.verify_s - draft_s, 0.0))
         # the grown tree teaches the acceptance (its unverified nodes under the path too, known
         # by the picks), the committed path followed in it by its tokens: a cell the round did
         # not verify would otherwise keep its chance however often the target took it
@@ -338,9 +333,16 @@ class Decoder:
         if mode == "wide" and self.cfg.adapt_rows:
             self.policy.judge(b, tree, rows, picks, self._chain.tokens.tolist(),
                               self.req.chain_rows)
-        verified_depth = int(tree.depth.max())
-        judged_next = bool((tree.parents == path[-1]).any())
-        self.req.observe(verified_depth, len(path) - 1, judged_next)
+        if rows:
+            costs.observe(b, "draft", 0, draft_s / rows)
+        if not calibration:  # a calibration round has fed its own verify timings
+            costs.observe(b, "verify", tree.width, self.verify_s)
+        # the rest of a round includes this learning: a grown tree's costs more than a chain's
+        round_s += self.clock() - t_learn
+        kind = "tree" if mode in ("wide", "tree") else "chain"
+        costs.observe(b, "rest", kind, max(round_s - self.verify_s - draft_s, 0.0))
+        self.req.observe(int(tree.depth.max()), len(path) - 1,
+                         bool((tree.parents == path[-1]).any()))
 
     def _catch_up(self) -> None:
         """Give the drafter what it has not seen (the prompt, the tokens of plain rounds), in
