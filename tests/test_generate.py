@@ -346,6 +346,38 @@ def test_acceptance_learns_from_the_whole_grown_tree(models, monkeypatch, pick_c
     assert chain_won > 0 or not pick_chain  # the forced chain is rarely the tree's prefix
 
 
+def test_wide_rounds_are_judged_against_the_drafters_chain(models, monkeypatch):
+    """Each wide round reaches Policy.judge with the tree it verified, the rows it drafted, the
+    target's picks along its path (one per path node) and the drafter's chain of that round,
+    root first; the band's judgement counts the rounds once verify costs are timed."""
+    def plan(self, behind, max_rows):
+        self.chain_rows = 3
+        return "wide", max_rows
+    monkeypatch.setattr(Request, "plan", plan)
+    judged, rounds = [], []
+    judge = Policy.judge
+    def spy(self, band, tree, rows, picks, line, chain_rows):
+        judged.append((tree, rows, list(picks), list(line), chain_rows))
+        judge(self, band, tree, rows, picks, line, chain_rows)
+    monkeypatch.setattr(Policy, "judge", spy)
+    target, root = models
+    target.reset_policies()
+    r = target.generate(prompt(24, seed=6), max_tokens=24, drafter=str(root / "draft"),
+                        verify="auto", on_round=lambda t, path, s: rounds.append((t, list(path))))
+    path_of = {id(t): path for t, path in rounds}  # a plain round's tree is the root alone
+    assert len(judged) >= sum(t.width > 1 for t, _ in rounds) > 2
+    for tree, rows, picks, line, chain_rows in judged:
+        t, path = tree, path_of[id(tree)]
+        assert len(picks) == len(path) and chain_rows == 3
+        assert line[0] == int(t.tokens[0]) and len(line) == rows + 1
+        assert picks[:len(path) - 1] == [int(x) for x in t.tokens[path[1:]]]
+    pol = target.speculation_policy(target.resolve_drafter(str(root / "draft")))
+    # every round counted (the first calibrated the costs it is priced by), decayed at the end
+    assert sum(v[2] for v in pol.wide_vs_chain.values()) == pytest.approx(
+        pol.params.memory * len(judged))
+    assert r.tokens == target.generate(prompt(24, seed=6), max_tokens=24, verify="off").tokens
+
+
 def test_a_fresh_band_calibrates_verify_costs_on_its_first_speculative_round(models, monkeypatch):
     """A band with fewer than two node counts timed verifies the root alone, then the largest
     candidate, whose logits serve the chosen prefix: the output is still plain decoding's."""

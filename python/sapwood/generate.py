@@ -110,6 +110,7 @@ class Decoder:
         self.clock = clock  # seconds, monotonic: the policy learns costs from it
         self._rows = cfg.rows  # this round's draft rows (_mode)
         self._drafted = (0, 0.0)  # this round's draft: rows, seconds
+        self._chain = None            # a wide round's drafted chain (_learn judges the round)
         self._unsent: list[int] = []  # committed tokens the drafter has not been given yet
         self._behind = 0              # how many tokens that is
         self._caught_up = (0, 0.0)    # this round's catch-up: tokens, seconds
@@ -187,7 +188,7 @@ class Decoder:
         # wide: the drafter's chain competes with the best-first tree (a confident deep chain
         # can win), each by its best prefix
         cands = [chain, grown]
-        self._chain = chain  # _learn judges the wide round against the chain's
+        self._chain = chain
         full = max(cands, key=lambda t: t.width)
         logits = None if calibrated else self._calibrate(full, ctx)
         tree = pol.choose(cands, ctx, rows, "tree", 2 if self.req.probing else 1)
@@ -330,9 +331,10 @@ class Decoder:
                 break
             mapped.append(node)
         self.policy.acceptance_for(ctx).observe(learn_from, mapped, picks[:len(mapped)])
-        if mode == "wide" and self.cfg.adapt_rows:
+        if mode == "wide" and self.cfg.adapt_rows and self._chain is not None:
             self.policy.judge(b, tree, rows, picks, self._chain.tokens.tolist(),
                               self.req.chain_rows)
+            self._chain = None
         if rows:
             costs.observe(b, "draft", 0, draft_s / rows)
         if not calibration:  # a calibration round has fed its own verify timings
