@@ -4,9 +4,9 @@ second, plain decoding included (DESIGN.md "Speculation policy").
 Options: plain (verify the root alone), a chain of d draft rows (d + 1 nodes), or a best-first
 tree of w nodes grown from the drafted rows. Before drafting, the policy compares plain decoding
 with the best chain depth, using what the request's rounds kept so far (a survival estimate per
-row, pooled per context band across requests); after drafting, it picks the best prefix of the
-drafter's chain and of the best-first tree, using the calibrated acceptance of each node (by
-depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
+row, pooled per context band across requests), and verifies a chain round's rows whole; after
+drafting a wide round, it picks the best prefix of the drafter's chain and of the best-first
+tree, using the calibrated acceptance of each node (by depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
 timings, so preempted rounds move nothing: verify by node count (times the host's level, which
 follows a shared host's load), draft by row, and the rest of a round by kind. The admission EMA is
 DESIGN.md's: trees only while the chain's acceptance is below its threshold, and then only while
