@@ -78,7 +78,7 @@ def test_choose_takes_the_prefix_with_most_tokens_per_second(cost_fn, deep):
     tree = grow(0, lattice(seed=3), 16)
     e = pol.acceptance_for(64).expected_tokens(tree)
     true = e / np.array([cost_fn(w) for w in range(1, 17)])
-    got = pol.choose([tree], 64, rows=8, kind="tree")
+    got = pol.choose([tree], 64, rows=8)
     assert tree.has_prefix(got)
     assert true[got.width - 1] >= 0.98 * true.max()
     assert (got.width >= 8) == deep
@@ -91,13 +91,13 @@ def test_a_confident_chain_beats_a_bushy_tree_and_plain_is_an_option():
                   logprobs=[np.log([0.3, 0.29, 0.28, 0.13])] * 8)
     bushy = grow(1, lat, 16)  # by draft probabilities: siblings first
     assert bushy.depth.max() < 8
-    best = pol.choose([chain(1, lat, 8), bushy], 64, rows=8, kind="tree")
+    best = pol.choose([chain(1, lat, 8), bushy], 64, rows=8)
     assert best.is_chain and best.width == 9
     # a draft the target never takes, nodes costly: the root alone (a plain step) wins, and a
     # probe (min_width=2) verifies two nodes
     bad = with_chances(timed(Policy(PolicyParams(explore=0)), lambda w: 0.01 * w), [0.01])
-    assert bad.choose([chain(1, lat, 8), bushy], 64, rows=8, kind="tree").width == 1
-    assert bad.choose([chain(1, lat, 8)], 64, rows=8, kind="chain", min_width=2).width == 2
+    assert bad.choose([chain(1, lat, 8), bushy], 64, rows=8).width == 1
+    assert bad.choose([chain(1, lat, 8)], 64, rows=8, min_width=2).width == 2
 
 
 def test_acceptance_follows_draft_confidence_and_choose_cuts_unsure_tails():
@@ -112,7 +112,7 @@ def test_acceptance_follows_draft_confidence_and_choose_cuts_unsure_tails():
     for depth in (1, 3, 5):
         assert acc.chance([0], [np.log(0.95)], [depth])[0] > 0.95
         assert acc.chance([0], [np.log(0.1)], [depth])[0] < 0.05
-    assert pol.choose([t], 64, rows=8, kind="chain").width == 5
+    assert pol.choose([t], 64, rows=8).width == 5
 
 
 def test_acceptance_is_calibrated_per_context_band_over_the_drafters():
@@ -138,7 +138,7 @@ def test_exploration_stays_within_ten_percent_of_the_best():
     tree = grow(0, lattice(seed=4), 16)
     e = pol.acceptance_for(64).expected_tokens(tree)
     rate = e / np.array([pol.costs.round(band_of(64), "tree", w, 8) for w in range(1, 17)])
-    widths = [pol.choose([tree], 64, rows=8, kind="tree").width for _ in range(300)]
+    widths = [pol.choose([tree], 64, rows=8).width for _ in range(300)]
     assert all(rate[w - 1] >= 0.9 * rate.max() for w in widths)
     assert len(set(widths)) > 1
     assert widths.count(int(np.argmax(rate)) + 1) > 150  # mostly the best
@@ -237,10 +237,12 @@ def test_wide_rounds_are_taken_unless_they_lose_to_the_chain_rounds_they_replace
     # four lucky rounds to an unlucky one: a little below the chain, and the rounds vary
     del pol.wide_vs_chain[b]
     for _ in range(4):
-        [judged(lucky) for _ in range(4)], judged(unlucky)
+        for picks in [lucky] * 4 + [unlucky]:
+            judged(picks)
     assert price > 1 and pol.wide_vs_chain[b][0] < 0 and pol.wide_pays(b)
     for _ in range(200):
-        [judged(lucky) for _ in range(4)], judged(unlucky)
+        for picks in [lucky] * 4 + [unlucky]:
+            judged(picks)
     assert not pol.wide_pays(b)  # a thousand rounds tell
     assert [req.plan(0, 8)[0] for _ in range(50)] == ["chain"] * 50
     n = pol.wide_vs_chain[b][2]

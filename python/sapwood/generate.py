@@ -191,7 +191,7 @@ class Decoder:
         self._chain = chain
         full = max(cands, key=lambda t: t.width)
         logits = None if calibrated else self._calibrate(full, ctx)
-        tree = pol.choose(cands, ctx, rows, "tree", 2 if self.req.probing else 1)
+        tree = pol.choose(cands, ctx, rows, 2 if self.req.probing else 1)
         if not full.has_prefix(tree):  # the chain won over the tree: verified on its own
             return tree, False, None, grown
         return tree, not tree.is_chain, None if logits is None else logits[:tree.width], grown

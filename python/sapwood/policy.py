@@ -6,9 +6,10 @@ tree of w nodes grown from the drafted rows. Before drafting, the policy compare
 with the best chain depth, using what the request's rounds kept so far (a survival estimate per
 row, pooled per context band across requests), and verifies a chain round's rows whole; after
 drafting a wide round, it picks the best prefix of the drafter's chain and of the best-first
-tree, using the calibrated acceptance of each node (by depth, rank and the drafter's confidence). Costs per context band are low quantiles of recent
-timings, so preempted rounds move nothing: verify by node count (times the host's level, which
-follows a shared host's load), draft by row, and the rest of a round by kind. The admission EMA is
+tree, using the calibrated acceptance of each node (by depth, rank and the drafter's
+confidence). Costs per context band are low quantiles of recent timings, so preempted rounds
+move nothing: verify by node count (times the host's level, which follows a shared host's
+load), draft by row, and the rest of a round by kind. The admission EMA is
 DESIGN.md's: trees only while the chain's acceptance is below its threshold, and then only while
 the band's wide rounds have not been shown to keep fewer tokens per second than the chain rounds
 they replaced would have (their picks tell what the chain would have kept): where a round's own
@@ -69,8 +70,8 @@ class PolicyParams:
     min_samples: int = 3         # a size timed this often is priced by its own timings, else the line
     prior_strength: float = 4.0  # pseudo-counts a cell (or a request's row) borrows from the level above
     first_rows: int = 3          # rows a band drafts before any cost is timed: a short, cheap first look
-    explore: float = 0.0625      # share of rounds taking a random option within 10% of the best, so
-                                 # the sizes near the optimum stay timed
+    explore: float = 0.0625      # share of wide rounds taking a random option within 10% of the
+                                 # best, so the sizes near the optimum stay timed
     probe_budget: float = 0.05   # the most of a plain stretch's time that speculative probes may cost
     plain_sd: float = 2.0        # plain only while it beats speculation's rate with each row's chance
                                  # this many posterior sds up, chain rounds for wide ones only while
@@ -84,8 +85,8 @@ class PolicyParams:
             raise ValueError(f"window, min_samples and first_rows must be >= 1: {self!r}")
         if not (0 <= self.explore < 1 and 0 < self.probe_budget < 1 and 0 <= self.memory <= 1
                 and self.prior_strength > 0 and self.plain_sd >= 0 and 0 <= self.quantile <= 1):
-            raise ValueError(f"explore, probe_budget, memory in [0, 1), quantile in [0, 1], "
-                             f"prior_strength > 0: {self!r}")
+            raise ValueError(f"explore in [0, 1), probe_budget in (0, 1), memory and quantile "
+                             f"in [0, 1], prior_strength > 0, plain_sd >= 0: {self!r}")
         return self
 
 
@@ -348,14 +349,15 @@ class Request:
     def plan(self, behind: int, max_rows: int):
         """Before drafting: ("plain", 0), ("chain", rows) or ("wide", rows)."""
         p, costs = self.policy.params, self.policy.costs
-        seconds = self._chain_seconds(self._rows(max_rows))
-        rows, rate = self.chain_plan(max_rows, near=0.9, seconds=seconds)
+        seconds, near = self._chain_seconds(self._rows(max_rows)), 0.9
+        rows, rate = self.chain_plan(max_rows, near=near, seconds=seconds)
         self.chain_rows = rows
         plain_s = costs.round(self.band, "plain", 1, 0)
-        # speculation's rate with every row's chance plain_sd sds up is at least 0.9 of its rate
-        # (chain_plan's near): asked for only where plain decoding might win
-        hope = None if plain_s is None or (rate is not None and rate * plain_s > 1.2) else (
-            self.chain_plan(max_rows, p.plain_sd, near=0.9, seconds=seconds)[1])
+        # speculation's rate with every row's chance plain_sd sds up is at least `near` times
+        # its rate (chain_plan): asked for only where plain decoding might win (1.001: rounding)
+        sure = plain_s is None or (rate is not None and near * rate * plain_s > 1.001)
+        hope = None if sure else self.chain_plan(max_rows, p.plain_sd, near=near,
+                                                 seconds=seconds)[1]
         self.probing = False
         if hope is not None and plain_s is not None and hope * plain_s < 1.0:
             # plain wins; probe once the probes' excess cost over plain decoding (the draft's
@@ -474,11 +476,12 @@ class Policy:
         if self.on_request_end is not None:
             self.on_request_end(self)
 
-    def choose(self, candidates, ctx: int, rows: int, kind: str, min_width: int = 1) -> Tree:
-        """The prefix of a candidate tree (the best-first tree, the drafter's chain) with the most
-        expected tokens per second; `rows` were drafted (their cost is in every option)."""
+    def choose(self, candidates, ctx: int, rows: int, min_width: int = 1) -> Tree:
+        """A wide round's pick: the prefix of a candidate tree (the best-first tree, the drafter's
+        chain) with the most expected tokens per second; `rows` were drafted (their cost, and
+        the rest of a tree round, are in every option)."""
         b, acc, c = band_of(ctx), self.acceptance_for(ctx), self.costs
-        drafted, rest = c.beside_verify(b, kind, rows)  # Costs.round's sum, shared parts once
+        drafted, rest = c.beside_verify(b, "tree", rows)  # Costs.round's sum, shared parts once
         rates = []  # per candidate, the rate of its prefixes of min_width .. width nodes
         for tree in candidates:
             t = c.verify_prices(b, tree.width)[min_width - 1:] + drafted + rest

@@ -123,7 +123,7 @@ def load_state(policy, s: dict) -> None:
             raise ValueError(f"bad cost level {v!r} for band {b}")
         costs.level[int(b)] = float(v)
     root, bands = Acceptance(p.prior_strength), {}
-    for b, (off, ok) in sorted(s["acceptance"].items(), key=lambda kv: int(kv[0])):
+    for b, (off, ok) in s["acceptance"].items():
         a = root if int(b) == -1 else Acceptance(p.prior_strength, parent=root)
         off, ok = np.array(off, float), np.array(ok, float)
         if off.shape != a.offered.shape or ok.shape != off.shape or (ok > off).any() or (
