@@ -4,7 +4,7 @@ given one part of a warm one (auto's state after --requests requests on that con
 costs, its acceptance and row counts, or all of it; each against the best fixed arm's first
 request (cold / cold, as replay_suite's "first" column).
 
-    python bench/first_request_parts.py [--only NAME] [--seed 0]
+    python bench/first_request_parts.py [--only NAME]
 """
 import argparse
 import json
@@ -21,31 +21,30 @@ PARTS = {"fresh": (), "+costs": ("costs", "level"), "+acceptance": ("acceptance"
          "warm": ("costs", "level", "acceptance", "rows")}
 
 
-def first_requests(rec, opts, seed, requests):
+def first_requests(rec, opts, requests):
     max_tokens = min(opts.get("max_tokens", 64), len(rec["seq"]) - 1)
     py = opts["python_ms"] / 1e3
     def run(arm, pol, i):
         return R.replay_request(rec, arm, pol, max_tokens, python_s=py,
                                 seed=zlib.crc32(f"{rec['name']} {i}".encode()))
     lo, hi = (int(x) for x in opts["widths"].split("-"))
-    cold = {arm: run(arm, R.new_state(seed=seed), 0)
+    cold = {arm: run(arm, R.new_state(), 0)
             for arm in [str(w) for w in range(lo, hi + 1)] + ["off", "chain"]}
     best = max(cold, key=cold.get)
-    warm = R.new_state(seed=seed)
+    warm = R.new_state()
     for i in range(requests):
         run("auto", warm, i)
-    fresh, full = json.loads(R.saved_state(R.new_state(seed=seed))), json.loads(R.saved_state(warm))
+    fresh, full = json.loads(R.saved_state(R.new_state())), json.loads(R.saved_state(warm))
     out = {}
     for name, keys in PARTS.items():
         s = dict(fresh, **{k: full[k] for k in keys})
-        out[name] = run("auto", R.new_state(json.dumps(s), seed=seed), 0) / cold[best]
+        out[name] = run("auto", R.new_state(json.dumps(s)), 0) / cold[best]
     return best, out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--requests", type=int, default=4)
     a = ap.parse_args()
     print("| recordings | context | best cold arm | " + " | ".join(PARTS) + " |")
@@ -56,7 +55,7 @@ def main():
         for path in recs:
             for rec in json.load(open(path))["contexts"]:
                 if rec["name"].startswith("depth"):
-                    best, r = first_requests(rec, opts, a.seed, a.requests)
+                    best, r = first_requests(rec, opts, a.requests)
                     print(f"| {name} | {rec['name']} | {best} | " +
                           " | ".join(f"{v:.3f}" for v in r.values()) + " |", flush=True)
 

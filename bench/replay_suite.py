@@ -92,7 +92,7 @@ SUITE = [
 
 def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None) -> str:
     """The summary line of one suite entry; `table`: a list that gets its markdown rows (per
-    depth context, or the cohort's geometric means); seed: the policy's exploration draws;
+    depth context, or the cohort's geometric means); seed: the --noise draws;
     noise: replay_width's --noise (every verify's charge scattered by a host's ratios)."""
     ratios, cohort = {}, []
     for rec in recs:
@@ -161,9 +161,9 @@ def main():
     ap.add_argument("--table", action="store_true",
                     help="then a markdown table: auto / best per depth, and per cohort")
     ap.add_argument("--seeds", type=int, default=1,
-                    help="replay each entry with exploration seeds 0..N-1; the table gives "
-                         "median [min, max]: a replay is deterministic per seed, not stable "
-                         "across seeds (one timing of another size changes what follows)")
+                    help="with --noise, replay each entry with noise seeds 0..N-1; the table "
+                         "gives median [min, max]: a replay is deterministic per seed, not "
+                         "stable across seeds (one timing of another size changes what follows)")
     ap.add_argument("--noise", default=None,
                     help="scatter every verify's charge by the ratios in this file "
                          "(bench/verify_noise.py): the live policy's timings on a loaded host")

@@ -108,7 +108,7 @@ def record(a):
 class Clock:
     """Real time plus simulated engine and draft costs: the decoder's `time` while replaying.
     With `python_s` set, no real time: each verify also costs python_s for the round's Python,
-    so a replay is deterministic (exploration draws come from a seeded generator). With
+    so a replay is deterministic. With
     `noise` (a sample of time / median ratios, bench/verify_noise.py), each verify costs its
     recorded median times a ratio drawn from it by a generator seeded with `seed`."""
 
@@ -211,16 +211,15 @@ class ReplayDrafter:
 OLD = hasattr(G, "WidthRule")  # the package on the path is the policy before issue 39
 
 
-def new_state(saved=None, seed=0):
-    """A fresh policy state for one arm (or one loaded from `saved`, a JSON text of state());
-    seed: its exploration draws'."""
+def new_state(saved=None):
+    """A fresh policy state for one arm (or one loaded from `saved`, a JSON text of state())."""
     if OLD:
         return G.WidthRule()
     # SAPWOOD_REPLAY_PARAMS: a JSON object of PolicyParams fields, to replay a parameter change
     from sapwood.policy import PolicyParams
 
     params = json.loads(os.environ.get("SAPWOOD_REPLAY_PARAMS") or "{}")
-    pol = G.Policy(PolicyParams(**params), seed=seed)
+    pol = G.Policy(PolicyParams(**params))
     if saved is not None:
         from sapwood import policy_cache
         policy_cache.load_state(pol, json.loads(saved))
@@ -288,7 +287,7 @@ def replay(a):
             for c in contexts:
                 for arm in arms:
                     key = (None if a.shared else c["name"], None if a.one_rule else arm)
-                    rule = rules.setdefault(key, new_state(seed=a.seed))
+                    rule = rules.setdefault(key, new_state())
                     tps[c["name"], arm].append(run(
                         c, i, arm, rule, trace=a.trace and arm in ("auto", "chain", a.trace)))
         # a second process's first request: auto's state saved after those requests, reloaded
@@ -300,7 +299,7 @@ def replay(a):
                 saved[key] = saved_state(rules[key])
             if saved[key] is not None:
                 persisted[c["name"]] = run(c, a.requests, "auto",
-                                           new_state(saved[key], seed=a.seed))
+                                           new_state(saved[key]))
     finally:
         if OLD:
             G.time = time
@@ -365,7 +364,7 @@ def main():
                    help="verify costs scattered by the time / median ratios in this file "
                         "(bench/verify_noise.py)")
     p.add_argument("--seed", type=int, default=0,
-                   help="the policy's exploration draws (a replay is deterministic per seed)")
+                   help="the --noise draws (a replay is deterministic per seed)")
     p.add_argument("--one-rule", action="store_true",
                    help="the arms share their policy state too")
     p.add_argument("--shared", action="store_true",

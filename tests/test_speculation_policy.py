@@ -65,8 +65,8 @@ def test_admission_ema_is_designs():
     assert Policy(PolicyParams(ema_start=4, ema_wide_below=5)).request(10, 8).wide()
     with pytest.raises(ValueError, match="ema_weight"):
         Policy(PolicyParams(ema_weight=0))
-    with pytest.raises(ValueError, match="explore"):
-        Policy(PolicyParams(explore=1.5))
+    with pytest.raises(ValueError, match="probe_budget"):
+        Policy(PolicyParams(probe_budget=1.5))
 
 
 @pytest.mark.parametrize("cost_fn, deep", [
@@ -74,7 +74,7 @@ def test_admission_ema_is_designs():
     (lambda w: 0.001 + 0.003 * w, False),   # each node costs three root verifies: few
 ])
 def test_choose_takes_the_prefix_with_most_tokens_per_second(cost_fn, deep):
-    pol = with_chances(timed(Policy(PolicyParams(explore=0)), cost_fn), [0.6, 0.2, 0.1, 0.05])
+    pol = with_chances(timed(Policy(), cost_fn), [0.6, 0.2, 0.1, 0.05])
     tree = grow(0, lattice(seed=3), 16)
     e = pol.acceptance_for(64).expected_tokens(tree)
     true = e / np.array([cost_fn(w) for w in range(1, 17)])
@@ -85,7 +85,7 @@ def test_choose_takes_the_prefix_with_most_tokens_per_second(cost_fn, deep):
 
 
 def test_a_confident_chain_beats_a_bushy_tree_and_plain_is_an_option():
-    pol = with_chances(timed(Policy(PolicyParams(explore=0)), lambda w: 0.010 + 0.001 * w),
+    pol = with_chances(timed(Policy(), lambda w: 0.010 + 0.001 * w),
                        [0.95, 0.3, 0.2, 0.1])
     lat = Lattice(tokens=[np.arange(4) + 10 * r for r in range(8)],
                   logprobs=[np.log([0.3, 0.29, 0.28, 0.13])] * 8)
@@ -95,7 +95,7 @@ def test_a_confident_chain_beats_a_bushy_tree_and_plain_is_an_option():
     assert best.is_chain and best.width == 9
     # a draft the target never takes, nodes costly: the root alone (a plain step) wins, and a
     # probe (min_width=2) verifies two nodes
-    bad = with_chances(timed(Policy(PolicyParams(explore=0)), lambda w: 0.01 * w), [0.01])
+    bad = with_chances(timed(Policy(), lambda w: 0.01 * w), [0.01])
     assert bad.choose([chain(1, lat, 8), bushy], 64, rows=8).width == 1
     assert bad.choose([chain(1, lat, 8)], 64, rows=8, min_width=2).width == 2
 
@@ -104,7 +104,7 @@ def test_acceptance_follows_draft_confidence_and_choose_cuts_unsure_tails():
     lat = Lattice(tokens=[np.array([10 * r]) for r in range(8)],
                   logprobs=[np.log([0.95])] * 4 + [np.log([0.1])] * 4)
     t = chain(1, lat, 8)
-    pol = timed(Policy(PolicyParams(explore=0)), lambda w: 0.010 + 0.002 * w)
+    pol = timed(Policy(), lambda w: 0.010 + 0.002 * w)
     acc = pol.acceptance_for(64)
     assert acc.chance([0], [np.log(0.95)], [1])[0] == acc.chance([0], [np.log(0.1)], [1])[0]
     for _ in range(200):
@@ -130,18 +130,6 @@ def test_acceptance_is_calibrated_per_context_band_over_the_drafters():
     assert c(near) > 0.9 and c(far) < 0.1
     assert c(far) < c(pol.acceptance) < c(near)
     assert c(pol.acceptance_for(40000)) == c(pol.acceptance)
-
-
-def test_exploration_stays_within_ten_percent_of_the_best():
-    pol = with_chances(timed(Policy(PolicyParams(explore=0.5), seed=1),
-                             lambda w: 0.010 + 0.001 * w), [0.7, 0.2])
-    tree = grow(0, lattice(seed=4), 16)
-    e = pol.acceptance_for(64).expected_tokens(tree)
-    rate = e / np.array([pol.costs.round(band_of(64), "tree", w, 8) for w in range(1, 17)])
-    widths = [pol.choose([tree], 64, rows=8).width for _ in range(300)]
-    assert all(rate[w - 1] >= 0.9 * rate.max() for w in widths)
-    assert len(set(widths)) > 1
-    assert widths.count(int(np.argmax(rate)) + 1) > 150  # mostly the best
 
 
 def test_survival_pools_a_bands_requests_and_follows_the_request():

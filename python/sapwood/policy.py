@@ -70,8 +70,6 @@ class PolicyParams:
     min_samples: int = 3         # a size timed this often is priced by its own timings, else the line
     prior_strength: float = 4.0  # pseudo-counts a cell (or a request's row) borrows from the level above
     first_rows: int = 3          # rows a band drafts before any cost is timed: a short, cheap first look
-    explore: float = 0.0625      # share of wide rounds taking a random option within 10% of the
-                                 # best, so the sizes near the optimum stay timed
     probe_budget: float = 0.05   # the most of a plain stretch's time that speculative probes may cost
     plain_sd: float = 2.0        # plain only while it beats speculation's rate with each row's chance
                                  # this many posterior sds up, chain rounds for wide ones only while
@@ -83,10 +81,10 @@ class PolicyParams:
             raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight!r}")
         if not (self.window >= 1 and self.min_samples >= 1 and self.first_rows >= 1):
             raise ValueError(f"window, min_samples and first_rows must be >= 1: {self!r}")
-        if not (0 <= self.explore < 1 and 0 < self.probe_budget < 1 and 0 <= self.memory <= 1
-                and self.prior_strength > 0 and self.plain_sd >= 0 and 0 <= self.quantile <= 1):
-            raise ValueError(f"explore in [0, 1), probe_budget in (0, 1), memory and quantile "
-                             f"in [0, 1], prior_strength > 0, plain_sd >= 0: {self!r}")
+        if not (0 < self.probe_budget < 1 and 0 <= self.memory <= 1 and 0 <= self.quantile <= 1
+                and self.prior_strength > 0 and self.plain_sd >= 0):
+            raise ValueError(f"probe_budget in (0, 1), memory and quantile in [0, 1], "
+                             f"prior_strength > 0, plain_sd >= 0: {self!r}")
         return self
 
 
@@ -402,7 +400,7 @@ class Policy:
     costs, acceptance and row survival per context band. Persisted by policy_cache (its state()
     and load_state())."""
 
-    def __init__(self, params: PolicyParams | None = None, seed: int = 0):
+    def __init__(self, params: PolicyParams | None = None):
         self.params = (params or PolicyParams()).validate()
         self.costs = Costs(self.params.window, self.params.min_samples, self.params.quantile)
         self.acceptance = Acceptance(self.params.prior_strength)
@@ -411,7 +409,6 @@ class Policy:
         # band -> [sum, sum of squares, count] over wide rounds of the tokens each kept beyond
         # what the chain round it replaced would have in its time (judge), decayed per request
         self.wide_vs_chain: dict[int, list] = {}
-        self.rng = np.random.default_rng(seed)
         self.on_request_end = None        # policy_cache saves here
 
     def acceptance_for(self, ctx: int) -> Acceptance:
@@ -482,17 +479,11 @@ class Policy:
         the rest of a tree round, are in every option)."""
         b, acc, c = band_of(ctx), self.acceptance_for(ctx), self.costs
         drafted, rest = c.beside_verify(b, "tree", rows)  # Costs.round's sum, shared parts once
-        rates = []  # per candidate, the rate of its prefixes of min_width .. width nodes
-        for tree in candidates:
-            t = c.verify_prices(b, tree.width)[min_width - 1:] + drafted + rest
-            rates.append(acc.expected_tokens(tree)[min_width - 1:] / np.maximum(t, 1e-9))
         best, pick = -1.0, (candidates[0], 1)
-        for tree, r in zip(candidates, rates):
+        for tree in candidates:  # the rate of its prefixes of min_width .. width nodes
+            t = c.verify_prices(b, tree.width)[min_width - 1:] + drafted + rest
+            r = acc.expected_tokens(tree)[min_width - 1:] / np.maximum(t, 1e-9)
             if len(r) and r.max() > best:  # the first of equals, as a strict scan would keep
                 i = int(r.argmax())
                 best, pick = float(r[i]), (tree, min_width + i)
-        if best >= 0 and self.rng.random() < self.params.explore:
-            near = [(tree, min_width + i) for tree, r in zip(candidates, rates)
-                    for i in np.flatnonzero(r >= 0.9 * best).tolist()]
-            pick = near[int(self.rng.integers(len(near)))]
         return pick[0].prefix(pick[1])
