@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import replay_width  # noqa: E402
 from sapwood.benchmarks.common import geomean  # noqa: E402
-from sapwood.policy import _median  # noqa: E402
 
 Z3 = os.path.join(HERE, "results", "zen3_avx2")
 Z4 = os.path.join(HERE, "results", "zen4_vnni")
@@ -202,7 +202,7 @@ def merge_rows(rows) -> str:
     for j in range(2, len(cells[0])):
         v = sorted(float(c[j]) for c in cells)
         out.append(f" {v[0]:.3f} " if len(v) == 1 else
-                   f" {_median(v):.3f} [{v[0]:.3f}, {v[-1]:.3f}] ")
+                   f" {statistics.median(v):.3f} [{v[0]:.3f}, {v[-1]:.3f}] ")
     return "|" + "|".join(out) + "|"
 
 

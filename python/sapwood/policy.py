@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 import numpy as np
 
@@ -33,12 +34,6 @@ BANDS = tuple(1024 << i for i in range(8))  # context bands: 1K .. 128K, powers 
 
 def band_of(ctx: int) -> int:
     return bisect.bisect_right(BANDS, ctx)
-
-
-def _median(xs) -> float:
-    s = sorted(xs)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
 
 
 def quantile(xs, q: float) -> float:
@@ -114,10 +109,10 @@ class Costs:
             if xs and len(xs) >= self.min_samples:
                 # the last 2 * min_samples - 1 votes: a few rounds, so a change is followed
                 votes = self._votes.setdefault(band, deque(maxlen=2 * self.min_samples - 1))
-                votes.append((size, seconds / _median(xs)))
+                votes.append((size, seconds / median(xs)))
                 by_size = {n: [r for m, r in votes if m == n] for n, _ in votes}
                 if len(by_size) >= 2:
-                    level = self.level[band] = _median([_median(v) for v in by_size.values()]
+                    level = self.level[band] = median([median(v) for v in by_size.values()]
                                                        + [level])
             seconds /= level
             self._tables[band] = self._prices[band] = None
@@ -148,9 +143,9 @@ class Costs:
             ns, line = self.verify_sizes(band), None
             own = {n: self.cost(band, "verify", n) for n in ns}
             if len(ns) >= 2:
-                b = max(_median([(own[j] - own[i]) / (j - i)
+                b = max(median([(own[j] - own[i]) / (j - i)
                                  for i in ns for j in ns if j > i]), 0.0)
-                line = (max(_median([own[n] - b * n for n in ns]), 0.0), b)
+                line = (max(median([own[n] - b * n for n in ns]), 0.0), b)
             table = self._tables[band] = (line, capped_by_larger(
                 {n: own[n] if line is None or len(self.t[band, "verify", n]) >= self.min_samples
                  else line[0] + line[1] * n for n in ns}))
