@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sapwood.drafters import Lattice
-from sapwood.policy import Acceptance, Costs, PolicyParams, _median, capped_by_larger, quantile
+from sapwood.policy import Acceptance, Costs, PolicyParams, capped_by_larger, quantile
 from sapwood.tree import chain, grow
 
 
@@ -210,13 +210,6 @@ def test_grow_in_cpp_rejects_bad_lattices():
     with pytest.raises(ValueError, match="lengths differ"):
         _core.expected_tokens([-1, 0], [0], [-1, 0], [0.0, -1.0], chance, log_step, edges)
     assert band.grow(0, Lattice(np.zeros((2, 3), np.int64), np.zeros((2, 3))), 20).width == 1 + 3 + 9
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 8, 9, 36])
-def test_median_is_statistics_median(n):
-    rng = np.random.default_rng(n)
-    for xs in (rng.random(n).tolist(), rng.integers(0, 3, n).astype(float).tolist()):
-        assert _median(xs) == statistics.median(xs)
 
 
 def test_cost_fit_is_theil_sen_of_per_width_medians():
