@@ -4,7 +4,7 @@ requests rotated per prompt over the cohort. Prints each block's decode tokens/s
 per arm, its ratio to the first arm (median and range over blocks).
 
     python bench/policy_arms.py chain:chain auto:auto never_wide:auto:'{"ema_wide_below": 0}'
-                                [--blocks 4] [--max-tokens 128] [--model default]
+                                [--blocks 4] [--max-tokens 128] [--model default] [--drafter D]
 
 `sapwood bench ab` compares two configurations of generate(); this compares PolicyParams too,
 which replays (bench/replay_suite.py) cannot judge where the policy's own Python matters: they
@@ -30,6 +30,9 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--drafter", default=None,
+                    help="as generate()'s (default: the model's own: its draft, else its MTP head, "
+                         "else lookup); 'default' is the bundled draft model")
     a = ap.parse_args(argv)
     arms = [parse_arm(t) for t in a.arms]
     prompts = [p["text"] for p in load_cohort()]
@@ -38,13 +41,13 @@ def main(argv=None):
     for name, _, params in arms:  # each arm's own policy, with its parameters
         states[name] = {}
         with model.policy_state(states[name]):
-            model.speculation_policy(model.resolve_drafter(None))
+            model.speculation_policy(model.resolve_drafter(a.drafter))
         for key in states[name]:
             states[name][key] = Policy(PolicyParams(**params))
 
     def run(arm, prompt, max_tokens):
         with model.policy_state(states[arm[0]]):
-            return model.generate(prompt, max_tokens=max_tokens, verify=arm[1])
+            return model.generate(prompt, max_tokens=max_tokens, verify=arm[1], drafter=a.drafter)
 
     for p in prompts[:4]:  # warm-up: not timed, the arms' states learn from it
         for arm in arms:

@@ -120,7 +120,7 @@ def test_ab_arms_learn_their_own_policy(ckpt):
     assert by_arm["chain"] != by_arm["auto"]
 
 
-def test_policy_arms_each_arm_its_own_policy_and_parameters(ckpt, capsys):
+def test_policy_arms_each_arm_its_own_policy_and_parameters(ckpt, tmp_path, capsys):
     states = bench_script("policy_arms").main([
         "chain:chain", 'never_wide:auto:{"ema_wide_below": 0}', "--blocks", "1",
         "--max-tokens", "6", "--model", str(ckpt)])
@@ -129,6 +129,14 @@ def test_policy_arms_each_arm_its_own_policy_and_parameters(ckpt, capsys):
     (chain,), (never,) = states["chain"].values(), states["never_wide"].values()
     assert chain is not never and never.params.ema_wide_below == 0
     assert chain.params.ema_wide_below == 6.5 and never.costs.t  # it served its requests
+    assert list(states["chain"]) == ["lookup"]  # the tiny target's own drafter
+    draft = tmp_path / "draft"
+    make_tiny_checkpoint(draft, seed=2)
+    states = bench_script("policy_arms").main([
+        "chain:chain", "--blocks", "1", "--max-tokens", "6", "--model", str(ckpt),
+        "--drafter", str(draft)])
+    (key, pol), = states["chain"].items()
+    assert key != "lookup" and pol.costs.t  # the named drafter served the requests
 
 
 def test_accepted_by_width_uses_the_prefix_property():
