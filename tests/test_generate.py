@@ -8,7 +8,7 @@ import sapwood
 from sapwood.drafters import Lattice, LookupDrafter
 from sapwood.generate import DecodeConfig, Decoder
 from sapwood.policy import Acceptance, Policy, PolicyParams, Request, band_of
-from sapwood.testing import make_tiny_checkpoint
+from sapwood.testing import make_tiny_checkpoint, random_lattice
 from sapwood.tree import chain, grow
 
 
@@ -152,13 +152,7 @@ def test_context_limit_ends_generation(models):
 # ---- trees ---------------------------------------------------------------------------------
 
 def lattice(rows=6, k=4, seed=0):
-    rng = np.random.default_rng(seed)
-    lat = Lattice()
-    for _ in range(rows):
-        p = np.sort(rng.dirichlet(np.ones(k)))[::-1]
-        lat.tokens.append(rng.choice(1000, k, replace=False))
-        lat.logprobs.append(np.log(p))
-    return lat
+    return random_lattice(rows, k, seed, vocab=1000)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -10,17 +10,12 @@ import pytest
 from sapwood import policy_cache
 from sapwood.drafters import Lattice
 from sapwood.policy import BANDS, Acceptance, Policy, PolicyParams, band_of
+from sapwood.testing import random_lattice
 from sapwood.tree import chain, grow
 
 
 def lattice(rows=8, k=4, seed=0):
-    rng = np.random.default_rng(seed)
-    lat = Lattice()
-    for _ in range(rows):
-        p = np.sort(rng.dirichlet(np.ones(k)))[::-1]
-        lat.tokens.append(rng.choice(200, k, replace=False))
-        lat.logprobs.append(np.log(p))
-    return lat
+    return random_lattice(rows, k, seed, vocab=200)
 
 
 def timed(pol, cost_fn, ctx=64, draft_row=0.0, rest=0.0):

@@ -160,6 +160,20 @@ def save_bf16(weights: dict, filename, metadata: dict) -> None:
         f.write(len(h).to_bytes(8, "little") + h + b"".join(blobs))
 
 
+def random_lattice(rows: int, k: int, seed: int, vocab: int):
+    """A drafter's lattice of `rows` rows, each k distinct candidates below `vocab` with
+    descending probabilities (a Dirichlet draw): what trees and the policy are tested on."""
+    from .drafters import Lattice
+
+    rng = np.random.default_rng(seed)
+    lat = Lattice()
+    for _ in range(rows):
+        p = np.sort(rng.dirichlet(np.ones(k)))[::-1]
+        lat.tokens.append(rng.choice(vocab, k, replace=False))
+        lat.logprobs.append(np.log(p))
+    return lat
+
+
 def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=False, hk=2, hv=4,
                          dk=16, dv=16, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=128,
                          conv_kernel=4, head_order="grouped", dtype="float32", layer_types=None,
