@@ -370,6 +370,17 @@ def test_wide_rounds_are_judged_against_the_drafters_chain(models, monkeypatch):
     assert sum(v[2] for v in pol.wide_vs_chain.values()) == pytest.approx(
         pol.params.memory * len(judged))
     assert r.tokens == target.generate(prompt(24, seed=6), max_tokens=24, verify="off").tokens
+    # a round's drafted chain is its own: gone after its _learn, judged or not (auto with a
+    # fixed draft length takes wide rounds by the EMA alone, and judges none)
+    learn, left, n = Decoder._learn, [], len(judged)
+    def learn_spy(self, *a):
+        learn(self, *a)
+        left.append(self._chain)
+    monkeypatch.setattr(Decoder, "_learn", learn_spy)
+    monkeypatch.setattr(Request, "wide", lambda self: True)
+    target.generate(prompt(24, seed=7), max_tokens=24, drafter=str(root / "draft"),
+                    verify="auto", adapt_rows=False)
+    assert len(left) > 2 and left == [None] * len(left) and len(judged) == n
 
 
 def test_a_fresh_band_calibrates_verify_costs_on_its_first_speculative_round(models, monkeypatch):

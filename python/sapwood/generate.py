@@ -331,10 +331,9 @@ class Decoder:
                 break
             mapped.append(node)
         self.policy.acceptance_for(ctx).observe(learn_from, mapped, picks[:len(mapped)])
-        if mode == "wide" and self.cfg.adapt_rows and self._chain is not None:
-            self.policy.judge(b, tree, rows, picks, self._chain.tokens.tolist(),
-                              self.req.chain_rows)
-            self._chain = None
+        line, self._chain = self._chain, None  # this round's only: never a later round's
+        if mode == "wide" and self.cfg.adapt_rows and line is not None:
+            self.policy.judge(b, tree, rows, picks, line.tokens.tolist(), self.req.chain_rows)
         if rows:
             costs.observe(b, "draft", 0, draft_s / rows)
         if not calibration:  # a calibration round has fed its own verify timings
