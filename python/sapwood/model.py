@@ -341,14 +341,24 @@ class Model:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
-    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt=True, **template_kwargs) -> str:
+        """The messages as the checkpoint's chat template writes them. The template is the
+        checkpoint's code, so it runs sandboxed (chat_template.py); template_kwargs reach it too
+        (tools, enable_thinking, ...). ValueError when it fails, refuses the messages
+        (raise_exception) or tries what the sandbox forbids."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; pass text or token ids")
-        import jinja2
+        from .chat_template import compile_chat_template, render_chat_template
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt)
+        # compiled once, not per request; keyed by the source since callers may replace
+        # chat_template (the server's fallback)
+        src, compiled = getattr(self, "_compiled_chat_template", None) or (None, None)
+        if src != self.chat_template:
+            src = self.chat_template
+            compiled = compile_chat_template(src)
+            self._compiled_chat_template = (src, compiled)
+        return render_chat_template(compiled, messages=messages,
+                                    add_generation_prompt=add_generation_prompt, **template_kwargs)
 
     def __repr__(self) -> str:
         c = self.config
