@@ -118,28 +118,54 @@ def to_tiled_order(weights: dict, config: dict) -> dict:
     return out
 
 
+def init_rule(name: str, shape, embed_std: float = 1.0) -> tuple[str, float, float]:
+    """How a text-model (or MTP head) tensor of this name is drawn: ("normal", offset, std), the
+    value offset + N(0, std), or ("log_uniform", lo, hi), the value log(U(lo, hi)).
+
+    Norm weights are not identity and dt_bias/A_log not HF's init, so a wrong norm convention or
+    gate shows up in logits. Shared by `_random_weights` and `sapwood.checkpoints`.
+    """
+    leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    if leaf == "embed_tokens":
+        return "normal", 0.0, embed_std
+    if name.endswith("linear_attn.norm.weight"):  # gated norm: plain w, so around 1
+        return "normal", 1.0, 0.2
+    if leaf.endswith("norm") or leaf.endswith("layernorm"):  # zero-centred: (1 + w)
+        return "normal", 0.0, 0.2
+    if leaf == "dt_bias":
+        return "normal", 0.0, 0.5
+    if leaf == "A_log":  # decay rate exp(A_log) in [0.2, 2]
+        return "log_uniform", 0.2, 2.0
+    # conv1d [C, 1, K] and Linear [out, in]: 1 / sqrt(fan_in) along the last axis
+    return "normal", 0.0, shape[-1] ** -0.5
+
+
 def _random_weights(config: dict, seed: int, shapes: dict | None = None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     w = {}
     shapes = expected_shapes(ModelConfig.from_dict(config)) if shapes is None else shapes
     for name, shape in shapes.items():
-        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-        if leaf == "embed_tokens":
-            x = rng.normal(0.0, 1.0, shape)
-        elif name.endswith("linear_attn.norm.weight"):  # gated norm: plain w, so around 1
-            x = 1.0 + rng.normal(0.0, 0.2, shape)
-        elif leaf.endswith("norm") or leaf.endswith("layernorm"):  # zero-centred: (1 + w)
-            x = rng.normal(0.0, 0.2, shape)
-        elif leaf == "dt_bias":
-            x = rng.normal(0.0, 0.5, shape)
-        elif leaf == "A_log":  # decay rate exp(A_log) in [0.2, 2]
-            x = np.log(rng.uniform(0.2, 2.0, shape))
-        elif leaf == "conv1d":
-            x = rng.normal(0.0, shape[-1] ** -0.5, shape)
-        else:  # Linear [out, in]
-            x = rng.normal(0.0, shape[-1] ** -0.5, shape)
+        kind, a, b = init_rule(name, shape)
+        if kind == "log_uniform":
+            x = np.log(rng.uniform(a, b, shape))
+        else:
+            x = rng.normal(0.0, b, shape)
+            if a:
+                x = a + x
         w[name] = x.astype(np.float32)
     return w
+
+
+def f32_to_bf16_bits(x) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16, little-endian), rounding to nearest even (no
+    NaNs expected: random weights have none). uint32 arithmetic: the sum wraps exactly where a
+    wider sum's top 16 bits would be cut by the uint16 cast, so nothing is lost."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    r = (u >> 16) & 1
+    r += u
+    r += 0x7FFF
+    r >>= 16
+    return r.astype("<u2")
 
 
 def save_bf16(weights: dict, filename, metadata: dict) -> None:
@@ -149,8 +175,7 @@ def save_bf16(weights: dict, filename, metadata: dict) -> None:
     header, blobs, off = {"__metadata__": metadata}, [], 0
     for name in sorted(weights):
         x = np.ascontiguousarray(weights[name], np.float32)
-        b = x.view(np.uint32).astype(np.uint64)
-        blob = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype("<u2").tobytes()
+        blob = f32_to_bf16_bits(x).tobytes()
         header[name] = {"dtype": "BF16", "shape": list(x.shape), "data_offsets": [off, off + len(blob)]}
         blobs.append(blob)
         off += len(blob)
