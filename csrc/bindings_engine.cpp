@@ -59,16 +59,15 @@ void bind_engine(py::module_& m) {
         "logits [N_i, V], the bits its own verify() gives; each then commits its own path.");
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
+      .def(py::init([](py::dict dims, py::handle weights, const std::string& wfmt,
                        const std::string& kv, int max_context, int threads,
                        const std::string& backend) {
              ModelDims d = parse_dims(dims);
-             std::vector<F32> keep;
-             TensorMap t = tensor_map(weights, &keep);
+             WeightsArg t(weights);
              WFormat f = parse_wformat(wfmt.c_str());
              KVDtype k = parse_kv_dtype(kv);
              py::gil_scoped_release release;
-             return std::make_unique<Engine>(d, t, f, k, max_context, threads, 64, backend);
+             return std::make_unique<Engine>(d, *t.src, f, k, max_context, threads, 64, backend);
            }),
            py::arg("dims"), py::arg("weights"), py::arg("weights_format") = "q8",
            py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0,

@@ -23,15 +23,14 @@ std::vector<float> hidden_rows(py::handle hidden, int H) {
 
 void bind_mtp(py::module_& m) {
   py::class_<MtpHead>(m, "MtpHead")
-      .def(py::init([](const Engine& target, py::dict weights, const std::string& wfmt,
+      .def(py::init([](const Engine& target, py::handle weights, const std::string& wfmt,
                        const std::string& kv, int max_context, int threads,
                        const std::string& backend) {
-             std::vector<F32> keep;
-             TensorMap t = tensor_map(weights, &keep);
+             WeightsArg t(weights);
              WFormat f = parse_wformat(wfmt.c_str());
              KVDtype k = parse_kv_dtype(kv);
              py::gil_scoped_release release;
-             return std::make_unique<MtpHead>(target, t, f, k, max_context, threads, 64, backend);
+             return std::make_unique<MtpHead>(target, *t.src, f, k, max_context, threads, 64, backend);
            }),
            py::arg("target"), py::arg("weights"), py::arg("weights_format") = "q8",
            py::arg("kv") = "int8", py::arg("max_context") = 4096, py::arg("threads") = 0,

@@ -29,11 +29,15 @@ namespace {
 
 class BackendOps {
  public:
-  BackendOps(const ModelDims& d, const TensorMap& t, WFormat f, const std::string& backend,
+  BackendOps(const ModelDims& d, TensorSource& t, WFormat f, const std::string& backend,
              int max_context)
-      : d_(d), w_(load_weights(d_, t, f)),
+      : d_(d), w_(load(d_, t, f)),
         be_(make_backend(backend, d_, w_, KVDtype::Int8, max_context, 64, 1)) {}
 
+  static ModelWeights load(const ModelDims& d, TensorSource& t, WFormat f) {
+    WeightLoader loader(t, 1);
+    return load_weights(d, loader, f);
+  }
   Backend& be() { return *be_; }
   const ModelDims& dims() const { return d_; }
   std::vector<int> tape_parents;  // the last tree forward's (empty: nothing to commit)
@@ -124,14 +128,13 @@ void bind_backend_ops(py::module_& m) {
                          "The backend op list one op a call (tests/test_backend_ops.py): the "
                          "model's weights loaded in `weights_format` on `backend`, the ops reading "
                          "them by checkpoint name, one sequence's KV and GDN state.")
-      .def(py::init([](py::dict dims, py::dict weights, const std::string& wfmt,
+      .def(py::init([](py::dict dims, py::handle weights, const std::string& wfmt,
                        const std::string& backend, int max_context) {
              ModelDims d = parse_dims(dims);
-             std::vector<F32> keep;
-             TensorMap t = tensor_map(weights, &keep);
+             WeightsArg t(weights);
              WFormat f = parse_wformat(wfmt.c_str());
              py::gil_scoped_release release;
-             return std::make_unique<BackendOps>(d, t, f, backend, max_context);
+             return std::make_unique<BackendOps>(d, *t.src, f, backend, max_context);
            }),
            py::arg("dims"), py::arg("weights"), py::arg("weights_format"), py::arg("backend"),
            py::arg("max_context") = 256)

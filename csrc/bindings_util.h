@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -99,6 +101,76 @@ inline TensorMap tensor_map(const py::dict& weights, std::vector<F32>* keep) {
   }
   return t;
 }
+
+// A TensorSource over a Python object streaming a checkpoint (loading.StreamingSource):
+// `shapes` {name: shape} read once, `read(name, r0, r1)` -> a C-contiguous array of rows
+// [r0, r1) as float32, float16, or uint16 holding bfloat16 bits. Called from the loading thread
+// with the GIL released around it; each array is kept until the next call.
+class PySource : public TensorSource {
+ public:
+  explicit PySource(py::handle obj) : obj_(py::reinterpret_borrow<py::object>(obj)) {
+    if (!py::hasattr(obj, "shapes") || !py::hasattr(obj, "read"))
+      throw InputError("weights must be a dict of float32 arrays or a source with shapes and read()");
+    for (auto item : obj.attr("shapes").cast<py::dict>())
+      shapes_[py::str(item.first)] = item.second.cast<std::vector<int64_t>>();
+    if (py::hasattr(obj, "chunk_bytes")) chunk_ = obj.attr("chunk_bytes").cast<size_t>();
+  }
+  ~PySource() override {
+    py::gil_scoped_acquire gil;
+    held_ = py::object();
+    obj_ = py::object();
+  }
+  bool shape(const std::string& name, std::vector<int64_t>* shape) const override {
+    auto it = shapes_.find(name);
+    if (it == shapes_.end()) return false;
+    *shape = it->second;
+    return true;
+  }
+  const void* rows(const std::string& name, int64_t r0, int64_t r1, SrcDtype* dtype) override {
+    py::gil_scoped_acquire gil;
+    held_ = py::object();  // the previous chunk goes before the next is read
+    py::array a = py::array::ensure(obj_.attr("read")(name, r0, r1));
+    if (!a || !(a.flags() & py::array::c_style))
+      throw InputError(cat("weights source: read('", name, "') must return a C-contiguous array"));
+    const char kind = a.dtype().kind();
+    const size_t item = size_t(a.itemsize());
+    if (kind == 'f' && item == 4) *dtype = SrcDtype::F32;
+    else if (kind == 'f' && item == 2) *dtype = SrcDtype::F16;
+    else if (kind == 'u' && item == 2) *dtype = SrcDtype::BF16;
+    else
+      throw InputError(cat("weights source: read('", name, "') returned dtype ",
+                           std::string(py::str(a.dtype())), " (float32, float16 or uint16 bf16 bits)"));
+    const std::vector<int64_t>& s = shapes_.at(name);
+    size_t cols = 1;
+    for (size_t i = 1; i < s.size(); ++i) cols *= size_t(s[i]);
+    SW_CHECK(size_t(a.size()) == size_t(r1 - r0) * cols, "weights source: read('", name, "', ",
+             r0, ", ", r1, ") returned ", a.size(), " values, expected ", size_t(r1 - r0) * cols);
+    held_ = a;
+    return a.data();
+  }
+  size_t chunk_bytes() const override { return chunk_; }
+
+ private:
+  py::object obj_, held_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  size_t chunk_ = size_t(32) << 20;
+};
+
+// The weights argument of a constructor: a {name: float32 array} dict or a streaming source.
+struct WeightsArg {
+  std::vector<F32> keep;
+  TensorMap map;
+  std::unique_ptr<TensorSource> src;
+  explicit WeightsArg(py::handle w) {
+    if (py::isinstance<py::dict>(w)) {
+      map = tensor_map(py::reinterpret_borrow<py::dict>(w), &keep);
+      src = std::make_unique<MapSource>(map);
+    } else {
+      src = std::make_unique<PySource>(w);
+    }
+  }
+  ~WeightsArg() { src.reset(); }  // before the map and arrays it reads
+};
 
 inline KVDtype parse_kv_dtype(const std::string& s) {
   if (s == "int8") return KVDtype::Int8;

@@ -52,48 +52,22 @@ const ModelDims& checked(const ModelDims& d, int max_context, int threads, int p
   return d;
 }
 
-// 64-bit FNV-1a over small values, four independent multiply lanes over tensor data (one
-// multiply per 8 bytes per lane keeps the load's extra pass cheap next to its conversions).
-struct Hasher {
-  uint64_t h = 0xcbf29ce484222325ull;
-  void bytes(const void* p, size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
-  }
-  template <class T>
-  void value(const T& v) { bytes(&v, sizeof v); }
-  void data(const float* p, size_t n) {
-    uint64_t lane[4] = {1, 2, 3, 4};
-    const size_t words = n / 2;  // two floats a word
-    size_t i = 0;
-    for (; i + 4 <= words; i += 4)
-      for (int j = 0; j < 4; ++j) {
-        uint64_t w;
-        std::memcpy(&w, p + 2 * (i + j), 8);
-        lane[j] = (lane[j] ^ w) * 0x9E3779B97F4A7C15ull;
-        lane[j] ^= lane[j] >> 29;
-      }
-    for (uint64_t l : lane) value(l);
-    bytes(p + 2 * i, (n - 2 * i) * sizeof(float));
-  }
-};
-
-uint64_t fingerprint(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv,
+// The dims and formats, then every weight's values as the loader streamed them.
+uint64_t fingerprint(const ModelDims& d, const WeightLoader& t, WFormat wfmt, KVDtype kv,
                      int page_size) {
-  Hasher h;
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto value = [&h](const auto& v) {
+    const auto* b = reinterpret_cast<const unsigned char*>(&v);
+    for (size_t i = 0; i < sizeof v; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  };
   for (int v : {d.vocab, d.hidden, d.inter, d.n_heads, d.n_kv_heads, d.head_dim, d.rotary_dim,
                 d.hk, d.dk, d.hv, d.dv, d.conv_k, int(d.tied), int(d.tiled), int(wfmt), int(kv),
                 page_size})
-    h.value(v);
-  h.value(d.rope_theta), h.value(d.eps);
-  for (bool a : d.is_attn) h.value(a);
-  for (const auto& [name, x] : t) {  // a std::map: in name order
-    h.bytes(name.data(), name.size());
-    size_t n = 1;
-    for (int64_t s : x.shape) h.value(s), n *= size_t(s);
-    h.data(x.data, n);
-  }
-  return h.h;
+    value(v);
+  value(d.rope_theta), value(d.eps);
+  for (bool a : d.is_attn) value(a);
+  value(t.fingerprint());
+  return h;
 }
 
 }  // namespace
@@ -115,19 +89,20 @@ Engine::Use::~Use() {
 
 namespace {
 
-std::shared_ptr<const SharedModel> build_model(const ModelDims& d, const TensorMap& t, WFormat wfmt,
+std::shared_ptr<const SharedModel> build_model(const ModelDims& d, TensorSource& src, WFormat wfmt,
                                                KVDtype kv, int max_context, int threads,
                                                int page_size) {
   auto m = std::make_shared<SharedModel>();
   m->dims = checked(d, max_context, threads, page_size);
-  m->weights = load_weights(d, t, wfmt);
-  m->model_id = fingerprint(d, t, wfmt, kv, page_size);
+  WeightLoader loader(src, threads > 0 ? threads : default_threads());
+  m->weights = load_weights(d, loader, wfmt);
+  m->model_id = fingerprint(d, loader, wfmt, kv, page_size);
   return m;
 }
 
 }  // namespace
 
-Engine::Engine(const ModelDims& d, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
+Engine::Engine(const ModelDims& d, TensorSource& t, WFormat wfmt, KVDtype kv, int max_context,
                int threads, int page_size, const std::string& backend)
     : model_(build_model(d, t, wfmt, kv, max_context, threads, page_size)), dims_(model_->dims),
       weights_(model_->weights), max_context_(max_context),

@@ -39,7 +39,7 @@ struct SharedModel {
 
 class Engine {
  public:
-  Engine(const ModelDims& dims, const TensorMap& weights, WFormat wfmt, KVDtype kv,
+  Engine(const ModelDims& dims, TensorSource& weights, WFormat wfmt, KVDtype kv,
          int max_context, int threads, int page_size = 64, const std::string& backend = "cpu");
   // Another sequence of `base`'s model: its weights (and a GPU backend's device and uploaded
   // weights) shared, its own empty state; max_context and threads as given (0: base's).

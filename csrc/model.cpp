@@ -31,39 +31,9 @@ long long ModelWeights::macs_per_token() const {
 
 namespace {
 
-const Tensor& get(const TensorMap& t, const std::string& name, std::vector<int64_t> shape) {
-  auto it = t.find(name);
-  SW_CHECK(it != t.end(), "missing weight tensor '", name, "'");
-  SW_CHECK(it->second.shape == shape, "weight '", name, "' has the wrong shape");
-  return it->second;
-}
-
-size_t numel(const Tensor& x) {
-  size_t n = 1;
-  for (auto s : x.shape) n *= size_t(s);
-  return n;
-}
-
-std::vector<float> vec(const Tensor& x) { return std::vector<float>(x.data, x.data + numel(x)); }
-
-std::vector<float> one_plus(const Tensor& x) {
-  std::vector<float> v = vec(x);
+std::vector<float> one_plus(std::vector<float> v) {
   for (float& f : v) f += 1.0f;
   return v;
-}
-
-void check_finite(const Tensor& x, const std::string& name) {
-  const size_t n = numel(x);
-  for (size_t i = 0; i < n; ++i)
-    SW_CHECK(std::isfinite(x.data[i]), "weight '", name, "' has a non-finite value at flat index ", i);
-}
-
-QMatrix qmat(const TensorMap& t, const std::string& name, int rows, int cols, WFormat f) {
-  const Tensor& x = get(t, name, {rows, cols});
-  check_finite(x, name);
-  QMatrix m;
-  m.quantize(x.data, rows, cols, f);
-  return m;
 }
 
 }  // namespace
@@ -89,52 +59,55 @@ BatchLayout tree_layout(int P, const std::vector<int>& parents) {
   return lay;
 }
 
-std::vector<float> load_norm(const TensorMap& t, const std::string& name, int dim) {
-  return one_plus(get(t, name, {dim}));
+std::vector<float> load_norm(WeightLoader& t, const std::string& name, int dim) {
+  return one_plus(t.vector(name, {dim}));
 }
 
-LayerWeights load_layer(const ModelDims& d, const TensorMap& t, const std::string& p, bool attn,
+LayerWeights load_layer(const ModelDims& d, WeightLoader& t, const std::string& p, bool attn,
                         WFormat f) {
   const int H = d.hidden, D = d.head_dim, C = d.conv_dim();
   LayerWeights L;
-  L.in_norm = one_plus(get(t, p + "input_layernorm.weight", {H}));
-  L.post_norm = one_plus(get(t, p + "post_attention_layernorm.weight", {H}));
-  L.gate = qmat(t, p + "mlp.gate_proj.weight", d.inter, H, f);
-  L.up = qmat(t, p + "mlp.up_proj.weight", d.inter, H, f);
-  L.down = qmat(t, p + "mlp.down_proj.weight", H, d.inter, f);
+  L.in_norm = load_norm(t, p + "input_layernorm.weight", H);
+  L.post_norm = load_norm(t, p + "post_attention_layernorm.weight", H);
+  L.gate = t.matrix(p + "mlp.gate_proj.weight", d.inter, H, f);
+  L.up = t.matrix(p + "mlp.up_proj.weight", d.inter, H, f);
+  L.down = t.matrix(p + "mlp.down_proj.weight", H, d.inter, f);
   if (attn) {
     const std::string a = p + "self_attn.";
-    L.q = qmat(t, a + "q_proj.weight", 2 * d.n_heads * D, H, f);
-    L.k = qmat(t, a + "k_proj.weight", d.n_kv_heads * D, H, f);
-    L.v = qmat(t, a + "v_proj.weight", d.n_kv_heads * D, H, f);
-    L.o = qmat(t, a + "o_proj.weight", H, d.n_heads * D, f);
-    L.q_norm = one_plus(get(t, a + "q_norm.weight", {D}));
-    L.k_norm = one_plus(get(t, a + "k_norm.weight", {D}));
+    L.q = t.matrix(a + "q_proj.weight", 2 * d.n_heads * D, H, f);
+    L.k = t.matrix(a + "k_proj.weight", d.n_kv_heads * D, H, f);
+    L.v = t.matrix(a + "v_proj.weight", d.n_kv_heads * D, H, f);
+    L.o = t.matrix(a + "o_proj.weight", H, d.n_heads * D, f);
+    L.q_norm = load_norm(t, a + "q_norm.weight", D);
+    L.k_norm = load_norm(t, a + "k_norm.weight", D);
   } else {
     const std::string a = p + "linear_attn.";
-    L.qkv = qmat(t, a + "in_proj_qkv.weight", C, H, f);
-    L.z = qmat(t, a + "in_proj_z.weight", d.hv * d.dv, H, f);
-    L.out = qmat(t, a + "out_proj.weight", H, d.hv * d.dv, f);
-    const Tensor& b = get(t, a + "in_proj_b.weight", {d.hv, H});
-    const Tensor& aa = get(t, a + "in_proj_a.weight", {d.hv, H});
-    std::vector<float> ba(vec(b));
-    ba.insert(ba.end(), aa.data, aa.data + numel(aa));
-    L.ba.quantize(ba.data(), 2 * d.hv, H, WFormat::F32);
-    L.conv_w = vec(get(t, a + "conv1d.weight", {C, 1, d.conv_k}));
-    L.dt_bias = vec(get(t, a + "dt_bias", {d.hv}));
-    L.neg_exp_a = vec(get(t, a + "A_log", {d.hv}));
+    L.qkv = t.matrix(a + "in_proj_qkv.weight", C, H, f);
+    L.z = t.matrix(a + "in_proj_z.weight", d.hv * d.dv, H, f);
+    L.out = t.matrix(a + "out_proj.weight", H, d.hv * d.dv, f);
+    // in_proj_b rows, then in_proj_a rows: one small f32 matrix
+    const std::vector<float> b = t.vector(a + "in_proj_b.weight", {d.hv, H});
+    const std::vector<float> aa = t.vector(a + "in_proj_a.weight", {d.hv, H});
+    L.ba.init(2 * d.hv, H, WFormat::F32);
+    for (int r = 0; r < d.hv; ++r) {
+      L.ba.set_row(r, &b[size_t(r) * H]);
+      L.ba.set_row(d.hv + r, &aa[size_t(r) * H]);
+    }
+    L.conv_w = t.vector(a + "conv1d.weight", {C, 1, d.conv_k});
+    L.dt_bias = t.vector(a + "dt_bias", {d.hv});
+    L.neg_exp_a = t.vector(a + "A_log", {d.hv});
     for (float& x : L.neg_exp_a) x = -std::exp(x);
-    L.gnorm = vec(get(t, a + "norm.weight", {d.dv}));
+    L.gnorm = t.vector(a + "norm.weight", {d.dv});
   }
   return L;
 }
 
-ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat f) {
+ModelWeights load_weights(const ModelDims& d, WeightLoader& t, WFormat f) {
   ModelWeights w;
   const int H = d.hidden;
-  w.embed = qmat(t, "model.embed_tokens.weight", d.vocab, H, f);
-  if (!d.tied) w.lm_head = qmat(t, "lm_head.weight", d.vocab, H, f);
-  w.final_norm = one_plus(get(t, "model.norm.weight", {H}));
+  w.embed = t.matrix("model.embed_tokens.weight", d.vocab, H, f);
+  if (!d.tied) w.lm_head = t.matrix("lm_head.weight", d.vocab, H, f);
+  w.final_norm = load_norm(t, "model.norm.weight", H);
   for (int i = 0; i < d.n_layers(); ++i)
     w.layers.push_back(load_layer(d, t, "model.layers." + std::to_string(i) + ".", d.is_attn[i], f));
   return w;

@@ -10,6 +10,7 @@
 
 #include "gdn_layer.h"
 #include "kv_cache.h"
+#include "weight_source.h"
 #include "weights.h"
 
 namespace sapwood {
@@ -31,13 +32,6 @@ struct ModelDims {
   GDNDims gdn() const { return GDNDims{hk, hv, dk, dv, conv_k, tiled}; }
   int conv_dim() const { return 2 * hk * dk + hv * dv; }
 };
-
-// A named float32 tensor handed over from Python (already shape-checked there and here).
-struct Tensor {
-  const float* data;
-  std::vector<int64_t> shape;
-};
-using TensorMap = std::map<std::string, Tensor>;
 
 struct LayerWeights {
   std::vector<float> in_norm, post_norm;   // stored as (1 + w): zero-centred RMSNorm
@@ -64,13 +58,13 @@ struct ModelWeights {
   const QMatrix& head() const { return lm_head.rows ? lm_head : embed; }  // the LM head
 };
 
-ModelWeights load_weights(const ModelDims& d, const TensorMap& t, WFormat fmt);
+ModelWeights load_weights(const ModelDims& d, WeightLoader& t, WFormat fmt);
 // One decoder layer's weights under `prefix` ("model.layers.3.", "mtp.layers.0."): full
 // attention when `attn`, else GDN. Missing or misshapen tensors throw naming the tensor.
-LayerWeights load_layer(const ModelDims& d, const TensorMap& t, const std::string& prefix, bool attn,
+LayerWeights load_layer(const ModelDims& d, WeightLoader& t, const std::string& prefix, bool attn,
                         WFormat fmt);
 // A named tensor of exactly `shape`, checked; its values as (1 + w) (zero-centred RMSNorm).
-std::vector<float> load_norm(const TensorMap& t, const std::string& name, int dim);
+std::vector<float> load_norm(WeightLoader& t, const std::string& name, int dim);
 
 // Where a batch of rows sits: row i at absolute position pos[i]. Attention keys of positions
 // < hist_len come from pages; >= hist_len from this batch's rows via anc (see AttnProblem).

@@ -13,28 +13,19 @@ namespace {
 // fc [H][2H] split by columns: y = fc [e; h] = fc_e e + fc_h h, each half quantized on its own
 // (the backend's op list has no concatenation; the halves read the two normed inputs as they
 // lie).
-void split_fc(const TensorMap& t, int H, WFormat f, QMatrix* fe, QMatrix* fh) {
-  const std::string name = "mtp.fc.weight";
-  auto it = t.find(name);
-  SW_CHECK(it != t.end(), "missing weight tensor '", name, "'");
-  SW_CHECK(it->second.shape == std::vector<int64_t>({H, 2 * H}), "weight '", name,
-           "' has the wrong shape (expected [", H, ", ", 2 * H, "])");
-  const float* w = it->second.data;
-  std::vector<float> a(size_t(H) * H), b(size_t(H) * H);
-  for (int r = 0; r < H; ++r)
-    for (int c = 0; c < H; ++c) {
-      const float x = w[size_t(r) * 2 * H + c], y = w[size_t(r) * 2 * H + H + c];
-      SW_CHECK(std::isfinite(x) && std::isfinite(y), "weight '", name, "' has a non-finite value in row ", r);
-      a[size_t(r) * H + c] = x;
-      b[size_t(r) * H + c] = y;
-    }
-  fe->quantize(a.data(), H, H, f);
-  fh->quantize(b.data(), H, H, f);
+void split_fc(WeightLoader& t, int H, WFormat f, QMatrix* fe, QMatrix* fh) {
+  t.check_shape("mtp.fc.weight", {H, 2 * H});
+  fe->init(H, H, f);
+  fh->init(H, H, f);
+  t.each_row("mtp.fc.weight", H, 2 * H, [&](int64_t r, const float* x) {
+    fe->set_row(int(r), x);
+    fh->set_row(int(r), x + H);
+  });
 }
 
 }  // namespace
 
-MtpHead::MtpHead(const Engine& target, const TensorMap& t, WFormat wfmt, KVDtype kv,
+MtpHead::MtpHead(const Engine& target, TensorSource& src, WFormat wfmt, KVDtype kv,
                  int max_context, int threads, int page_size, const std::string& backend)
     : target_(target.weights()), dims_(target.dims()), max_context_(max_context),
       threads_(threads > 0 ? threads : default_threads()), fwd_(dims_, weights_) {
@@ -43,6 +34,7 @@ MtpHead::MtpHead(const Engine& target, const TensorMap& t, WFormat wfmt, KVDtype
            "the MTP layer's attention needs heads divisible by KV heads and head_dim a multiple of 32");
   dims_.is_attn = {true};
   const int H = dims_.hidden;
+  WeightLoader t(src, threads_);
   weights_.layers.push_back(load_layer(dims_, t, "mtp.layers.0.", true, wfmt));
   weights_.final_norm = load_norm(t, "mtp.norm.weight", H);
   pre_e_ = load_norm(t, "mtp.pre_fc_norm_embedding.weight", H);

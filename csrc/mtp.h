@@ -27,7 +27,7 @@ class MtpHead {
  public:
   // Tensors named as in the checkpoint under "mtp." (fc, pre_fc_norm_embedding,
   // pre_fc_norm_hidden, norm, layers.0.*), shape-checked here as well.
-  MtpHead(const Engine& target, const TensorMap& t, WFormat wfmt, KVDtype kv, int max_context,
+  MtpHead(const Engine& target, TensorSource& t, WFormat wfmt, KVDtype kv, int max_context,
           int threads, int page_size = 64, const std::string& backend = "cpu");
 
   // Commit rows at positions [position(), +n): hidden [n][H] the target's final hidden rows,

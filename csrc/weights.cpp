@@ -27,48 +27,61 @@ uint16_t f32_to_bf16(float x) {
 
 static int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
-  fmt = f, rows = r, cols = c;
+void QMatrix::init(int r, int c, WFormat f) {
+  fmt = f, rows = r, cols = c, cols_pad = 0;
   f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
-  if (f == WFormat::F32 || f == WFormat::BF16) {
-    // packed in place (padding outputs zero): a temporary would hold arena space (huge_pages.h)
-    const size_t n = size_t(round_up(r, kOutBlock)) * c;
-    if (f == WFormat::F32) f32.assign(n, 0.0f);
-    else bf16.assign(n, 0);
-    for (int o = 0; o < r; ++o)
-      for (int k = 0; k < c; ++k) {
-        const size_t i = (size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock;
-        const float x = w[size_t(o) * c + k];
-        if (f == WFormat::F32) f32[i] = x;
-        else bf16[i] = f32_to_bf16(x);
-      }
-  } else if (f == WFormat::Q8) {
+  // padding (outputs past `rows`, inputs past `cols`) stays zero: the kernels read it
+  if (f == WFormat::F32) f32.assign(size_t(round_up(r, kOutBlock)) * c, 0.0f);
+  else if (f == WFormat::BF16) bf16.assign(size_t(round_up(r, kOutBlock)) * c, 0);
+  else if (f == WFormat::Q8) {
     cols_pad = round_up(c, 32);
-    q8.assign(size_t(round_up(r, kQ8Group)) * cols_pad, 0);  // padding rows stay zero
-    scale.resize(r);
+    q8.assign(size_t(round_up(r, kQ8Group)) * cols_pad, 0);
+    scale.assign(r, 0.0f);
     q8_sum.assign(r, 0);
-    std::vector<int8_t> row(cols_pad);
-    for (int o = 0; o < r; ++o) {
-      scale[o] = quantize_block(w + size_t(o) * c, c, 127.0f, row.data());
-      for (int k = 0; k < c; ++k) q8[q8_index(o, k)] = row[k], q8_sum[o] += row[k];
-    }
   } else {
     cols_pad = round_up(c, kQ4Group);
-    const int groups = cols_pad / kQ4Group;
     q4.assign(size_t(r) * cols_pad / 2, 0x88);
-    scale.assign(size_t(r) * groups, 0.0f);
-    for (int o = 0; o < r; ++o)
-      for (int g = 0; g < groups; ++g) {
-        const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
-        int8_t qs[kQ4Group];
-        scale[size_t(o) * groups + g] = quantize_block(w + size_t(o) * c + k0, k1 - k0, 7.0f, qs);
-        for (int k = k0; k < k1; ++k) {
-          const int q = qs[k - k0];
-          uint8_t& byte = q4[q4_byte(o, k)];
-          byte = (k - k0) < kQ4Group / 2 ? uint8_t((byte & 0xF0) | (q + 8)) : uint8_t((byte & 0x0F) | ((q + 8) << 4));
-        }
-      }
+    scale.assign(size_t(r) * (cols_pad / kQ4Group), 0.0f);
   }
+}
+
+// Rows touch disjoint bytes (a Q4 byte holds two inputs of one row), so loaders fill rows from
+// several threads at once.
+void QMatrix::set_row(int o, const float* w) {
+  const int c = cols;
+  if (fmt == WFormat::F32 || fmt == WFormat::BF16) {
+    for (int k = 0; k < c; ++k) {
+      const size_t i = (size_t(o / kOutBlock) * c + k) * kOutBlock + o % kOutBlock;
+      if (fmt == WFormat::F32) f32[i] = w[k];
+      else bf16[i] = f32_to_bf16(w[k]);
+    }
+  } else if (fmt == WFormat::Q8) {
+    thread_local std::vector<int8_t> row;
+    row.resize(c);
+    int8_t* q = row.data();
+    int32_t sum = 0;
+    scale[o] = quantize_block(w, c, 127.0f, q);
+    for (int k = 0; k < c; ++k) q8[q8_index(o, k)] = q[k], sum += q[k];
+    q8_sum[o] = sum;
+  } else {
+    const int groups = cols_pad / kQ4Group;
+    for (int g = 0; g < groups; ++g) {
+      const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
+      int8_t qs[kQ4Group];
+      scale[size_t(o) * groups + g] = quantize_block(w + k0, k1 - k0, 7.0f, qs);
+      for (int k = k0; k < k1; ++k) {
+        const int q = qs[k - k0];
+        uint8_t& byte = q4[q4_byte(o, k)];
+        byte = (k - k0) < kQ4Group / 2 ? uint8_t((byte & 0xF0) | (q + 8))
+                                       : uint8_t((byte & 0x0F) | ((q + 8) << 4));
+      }
+    }
+  }
+}
+
+void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
+  init(r, c, f);
+  for (int o = 0; o < r; ++o) set_row(o, w + size_t(o) * c);
 }
 
 size_t QMatrix::bytes() const {

@@ -40,7 +40,11 @@ struct QMatrix {
   BigVector<uint8_t> q4;
   std::vector<float> scale;
 
-  void quantize(const float* w, int rows, int cols, WFormat fmt);
+  void quantize(const float* w, int rows, int cols, WFormat fmt);  // init, then every row
+  // Streaming: init sizes the storage (zero padding), then set_row(o, w) stores row o of W
+  // (cols floats); rows may be set in any order, from several threads at once.
+  void init(int rows, int cols, WFormat fmt);
+  void set_row(int o, const float* w);
   static constexpr int kQ8Group = 16, kQ8Quad = 4;
   static constexpr int kQ8QuadBytes = kQ8Group * kQ8Quad;  // 64: one quad of a group
   // Q8: where input k of output o sits (row padding to 16 outputs stays zero)

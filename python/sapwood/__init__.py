@@ -2,7 +2,8 @@
 from . import _core
 from ._core import InputError, CapacityError
 from .loading import available_backends, load
+from .memory import estimate
 from .model import Model
 
 __version__ = "0.1.0"
-__all__ = ["InputError", "CapacityError", "available_backends", "load", "Model"]
+__all__ = ["InputError", "CapacityError", "available_backends", "estimate", "load", "Model"]

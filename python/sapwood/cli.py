@@ -14,7 +14,11 @@ import sys
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="checkpoint directory, or 'default' for the bundled pair (default)")
+                   help="checkpoint directory, a Hugging Face repo id from the local cache "
+                        "(e.g. Qwen/Qwen3.5-9B), or 'default' for the bundled pair (default)")
+    p.add_argument("--revision", default=None, help="hub id: branch, tag or commit (default: main)")
+    p.add_argument("--download", action="store_true",
+                   help="hub id: download it when it is not in the local cache")
     p.add_argument("--weights", default="q8", choices=["f32", "bf16", "q8", "q4"])
     p.add_argument("--kv", default="int8", choices=["int8", "f32"])
     p.add_argument("--threads", type=int, default=None)
@@ -103,6 +107,32 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def cmd_inspect(a) -> int:
+    """What a checkpoint is and what loading it will take, from config.json alone."""
+    from .hub import resolve_checkpoint
+    from .loading import read_config
+    from .memory import GB, WEIGHT_MODES, available_bytes, estimate_config
+
+    d = resolve_checkpoint(a.path, revision=a.revision, download=a.download)
+    cfg = read_config(d)
+    ests = {m: estimate_config(cfg, weights=m, kv=a.kv, max_context=a.max_context) for m in WEIGHT_MODES}
+    free = available_bytes()
+    if a.json:
+        print(json.dumps({"path": str(d), "config": {k: v for k, v in vars(cfg).items()},
+                          "available_bytes": free,
+                          "estimates": {m: {**e.parts, "total": e.total} for m, e in ests.items()}},
+                         default=list))
+        return 0
+    n_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    print(f"{d}\n  {cfg.num_layers} layers ({cfg.num_layers - n_attn} GDN + {n_attn} attention), "
+          f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
+          f"{'tied' if cfg.tie_word_embeddings else 'untied'} head, MTP layers {cfg.mtp_layers}")
+    print(ests[a.weights].describe())
+    print("all modes: " + ", ".join(f"{m} {e.total / GB:.1f} GB" for m, e in ests.items())
+          + f"; available: {free / GB:.1f} GB")
+    return 0
+
+
 def cmd_serve(a) -> int:
     from . import server  # without the server extra: an ImportError saying how to install it
 
@@ -119,7 +149,11 @@ def cmd_serve(a) -> int:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="default",
-                   help="checkpoint directory, or 'default' for the bundled pair (default)")
+                   help="checkpoint directory, a Hugging Face repo id from the local cache, or "
+                        "'default' for the bundled pair (default)")
+    p.add_argument("--revision", default=None, help="hub id: branch, tag or commit (default: main)")
+    p.add_argument("--download", action="store_true",
+                   help="hub id: download it when it is not in the local cache")
     p.add_argument("--drafter", default=None,
                    help="'mtp' (the checkpoint's own MTP head), 'lookup', 'default', a draft "
                         "checkpoint directory; default: the model's attached draft, else the "
@@ -167,6 +201,16 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="generate a continuation of a prompt")
     _add_generate_args(g)
     g.set_defaults(fn=cmd_generate)
+    ins = sub.add_parser("inspect", help="a checkpoint's shape and the memory loading it takes "
+                                         "(per part, every weights mode), without loading it")
+    ins.add_argument("path", help="checkpoint directory or Hugging Face repo id")
+    ins.add_argument("--weights", default="q8", choices=["f32", "bf16", "q8", "q4"])
+    ins.add_argument("--kv", default="int8", choices=["int8", "f32"])
+    ins.add_argument("--max-context", type=int, default=4096)
+    ins.add_argument("--revision", default=None)
+    ins.add_argument("--download", action="store_true")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(fn=cmd_inspect)
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs sapwood[server])")
     _add_serve_args(sv)
     sv.set_defaults(fn=cmd_serve)
@@ -207,6 +251,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)  # a usage error exits here with code 2
     a.argv = [x for x in argv if x != "--debug"]  # bench ab --processes reruns its command line
     try:
+        if getattr(a, "model", "default") != "default":  # a hub id becomes its cached directory
+            from .hub import resolve_checkpoint
+            a.model = str(resolve_checkpoint(a.model, revision=getattr(a, "revision", None),
+                                             download=getattr(a, "download", False)))
         return a.fn(a)
     except KeyboardInterrupt:
         return 130

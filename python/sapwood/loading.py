@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import _core
+from .memory import check_fits, estimate_config
 from .model import Model
 from .reference.model import FULL, ModelConfig, expected_shapes, normalize_names
 from .reference.mtp import MTP_CONFIG_KEY, check_mtp_tensors, mtp_tensors
-from .safetensors_io import load_checkpoint_weights
+from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 KV_FORMATS = ("int8", "f32")
@@ -89,51 +91,115 @@ def _few(names, k=5) -> str:
     return ", ".join(names[:k]) + (f" ... ({len(names)} in all)" if len(names) > k else "")
 
 
-def check_weights(cfg: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
-    """Match checkpoint tensors (already normalize_names'd) to expected_shapes(cfg).
+class CheckpointTensors(Mapping):
+    """The tensors an engine reads, by engine name, streamed from the checkpoint's files.
 
-    Returns {name: C-contiguous float32} with exactly the expected names, in their order.
+    The engine (csrc/weight_source.h) reads `shapes` once, then asks `read(name, r0, r1)` for
+    bounded chunks of rows in the file's own dtype and widens and stores them on its worker
+    threads: a load holds the engine plus one chunk. As a Mapping, `tensors[name]` reads a
+    whole tensor as float32 (tests, small tensors). `amax` holds the largest |value| of the
+    tensors named in `watch` once streamed; `on_bytes(n)` is told of every chunk read.
     """
+
+    def __init__(self, infos: dict, *, chunk_bytes: int = 32 << 20, watch=(), on_bytes=None):
+        self.infos = dict(infos)
+        self.shapes = {n: list(i.shape) for n, i in self.infos.items()}
+        self.chunk_bytes = int(chunk_bytes)
+        self.nbytes = sum(i.nbytes for i in self.infos.values())
+        self.watch, self.amax, self.on_bytes = set(watch), {}, on_bytes
+        self._reader = TensorReader(self.chunk_bytes)
+
+    def read(self, name: str, r0: int, r1: int) -> np.ndarray:
+        info = self.infos[name]
+        x = self._reader.rows(info, int(r0), int(r1))
+        if name in self.watch and x.size:
+            self.amax[name] = max(self.amax.get(name, 0.0), _amax(x))
+        if self.on_bytes is not None:
+            self.on_bytes((r1 - r0) * info.row_bytes)
+        return x
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._reader.read(self.infos[name])
+
+    def __iter__(self):
+        return iter(self.infos)
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def _amax(x: np.ndarray) -> float:
+    """Largest |value| of a chunk as read (bf16 as its uint16 bits): NaN and inf propagate."""
+    if x.dtype == np.uint16:  # bf16: clear the sign; for finite values the bit order is the order
+        top = int((x & 0x7FFF).max())
+        return float(np.array([top << 16], np.uint32).view(np.float32)[0])
+    return float(np.abs(x).max())
+
+
+def check_tensors(cfg: ModelConfig, infos: dict) -> dict:
+    """Match checkpoint tensors (already normalize_names'd; anything with .shape and .dtype,
+    TensorInfo or arrays) to expected_shapes(cfg): exactly the expected names, in their order,
+    each floating point. Reads no tensor data."""
     shapes = expected_shapes(cfg)
-    tensors = dict(tensors)
+    infos = dict(infos)
     if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # HF ties lm_head to embed_tokens whatever the file holds
-    missing = [n for n in shapes if n not in tensors]
+        infos.pop("lm_head.weight", None)  # HF ties lm_head to embed_tokens whatever the file holds
+    missing = [n for n in shapes if n not in infos]
     if missing:
         hint = (" (config says tie_word_embeddings=false; is the model tied?)"
                 if missing == ["lm_head.weight"] else "")
         raise ValueError(f"missing tensor {missing[0]!r}{hint}"
                          + (f"; {len(missing)} missing in all: {_few(missing)}" if len(missing) > 1 else ""))
-    extra = set(tensors) - set(shapes)
+    extra = set(infos) - set(shapes)
     if extra:  # e.g. biases or MoE experts: ignoring them would silently compute another model
         raise ValueError(f"unexpected tensors not used by this model: {_few(extra)}")
-    out = {}
     for name, shape in shapes.items():
-        x = tensors[name]
+        x = infos[name]
         if tuple(x.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}, expected {shape}")
-        if x.dtype.kind != "f":
-            raise ValueError(f"tensor {name!r} has dtype {x.dtype}; expected a floating-point "
+        dtype = numpy_dtype_name(x.dtype) if isinstance(x.dtype, str) else np.dtype(x.dtype).name
+        if not dtype.startswith(("float", "bfloat")):
+            raise ValueError(f"tensor {name!r} has dtype {dtype}; expected a floating-point "
                              "tensor (pre-quantized checkpoints are not supported)")
-        out[name] = np.ascontiguousarray(x, dtype=np.float32)
-    # Non-finite values are refused by the engine, naming the tensor; finite ones that would
-    # overflow are refused here. exp(A_log) is the GDN decay rate: past float32's range
-    # (A_log >= 88.7) every decay is -inf.
-    for name, x in out.items():
-        if name.endswith("linear_attn.A_log") and x.size and np.isfinite(x).all() and x.max() >= 88.0:
-            raise ValueError(f"tensor {name!r} has A_log={float(x.max())!r}: exp(A_log) overflows "
-                             "float32 (must be < 88)")
-    _check_logit_bound(cfg, out)
+    return {n: infos[n] for n in shapes}
+
+
+def check_weights(cfg: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
+    """check_tensors for in-memory arrays; returns them C-contiguous float32, value-checked."""
+    out = {n: np.ascontiguousarray(x, dtype=np.float32) for n, x in check_tensors(cfg, tensors).items()}
+    _check_values(cfg, out)
+    _check_logit_bound(cfg, out["model.norm.weight"],
+                       _amax(out["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]))
     return out
 
 
-def _check_logit_bound(cfg: ModelConfig, w: dict) -> None:
+def _check_values(cfg: ModelConfig, tensors) -> None:
+    """Finite values that would overflow are refused here (non-finite ones by the engine, naming
+    the tensor). exp(A_log) is the GDN decay rate: past float32's range (A_log >= 88.7) every
+    decay is -inf. Reads only the small A_log tensors."""
+    for i, kind in enumerate(cfg.layer_types):
+        name = f"model.layers.{i}.linear_attn.A_log"
+        if name not in tensors:
+            continue
+        x = tensors[name]
+        if x.size and np.isfinite(x).all() and x.max() >= 88.0:
+            raise ValueError(f"tensor {name!r} has A_log={float(x.max())!r}: exp(A_log) overflows "
+                             "float32 (must be < 88)")
+
+
+def head_name(cfg: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+def _check_logit_bound(cfg: ModelConfig, norm: np.ndarray, h: float) -> None:
     """A logit is a row of the LM head dotted with the final norm's output, whose entries are
     at most sqrt(H) * max|1 + norm weight| (the RMS-normalised vector has norm sqrt(H)), so
-    |logit| <= H * max|head| * max|1 + w|: refuse a checkpoint where that bound overflows."""
-    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    head, norm = w[name], w["model.norm.weight"]
-    h = max(abs(float(head.max())), abs(float(head.min())))  # NaN and inf propagate
+    |logit| <= H * max|head| * max|1 + w|: refuse a checkpoint where that bound overflows.
+    h: max|head|, measured while the head streamed into the engine."""
+    name = head_name(cfg)
     g = float(np.abs(1.0 + norm.astype(np.float64)).max())
     if not (math.isfinite(h) and math.isfinite(g)):
         return  # the engine names the tensor and the value
@@ -169,24 +235,33 @@ def _chat_template(d: Path) -> str | None:
 
 @dataclass
 class Checkpoint:
-    """What `read_checkpoint` found; `weights` is ready for the engine (see check_weights)."""
+    """What `read_checkpoint` found. `weights` streams the engine's tensors from the files
+    (CheckpointTensors: a Mapping, read on demand); `mtp_weights` the MTP head's, when the
+    config announces one."""
     path: Path
     config: ModelConfig
-    weights: dict
+    weights: CheckpointTensors
     tokenizer: object
     generation_config: dict
     chat_template: str | None
-    mtp_weights: dict | None = None  # the MTP head's tensors (config mtp_num_hidden_layers > 0)
+    mtp_weights: CheckpointTensors | None = None
 
 
-def read_checkpoint(path) -> Checkpoint:
-    """Read and validate an HF checkpoint directory without building an engine."""
-    d = Path(path)
+def read_config(d: Path) -> ModelConfig:
+    d = Path(d)
     if not d.is_dir():
         raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
     if not (d / "config.json").is_file():
         raise ValueError(f"{d}: no config.json")
-    cfg = ModelConfig.from_dict(_read_json(d / "config.json", "config.json"))
+    return ModelConfig.from_dict(_read_json(d / "config.json", "config.json"))
+
+
+def read_checkpoint(path) -> Checkpoint:
+    """Read and validate an HF checkpoint directory without building an engine: config, every
+    tensor's name, shape and dtype from the file headers, the tokenizer. Of the weights only the
+    small A_log tensors are read (their range is checked); the rest stream into the engine."""
+    d = Path(path)
+    cfg = read_config(d)
     gen = {}
     if (d / "generation_config.json").is_file():
         gen = _read_json(d / "generation_config.json", "generation_config.json")
@@ -195,16 +270,17 @@ def read_checkpoint(path) -> Checkpoint:
         if eos is not None and any(type(e) is not int or e < 0 for e in eos_list):
             raise ValueError(f"{d / 'generation_config.json'}: eos_token_id={eos!r}: must be a "
                              "token id or a list of them")
-    tensors = load_checkpoint_weights(d)
-    weights = check_weights(cfg, normalize_names(tensors))
+    index = checkpoint_index(d)
+    weights = CheckpointTensors(check_tensors(cfg, normalize_names(index)), watch={head_name(cfg)})
+    _check_values(cfg, weights)
     mtp = None
     if cfg.mtp_layers:  # a head the config does not announce is ignored, as transformers does
-        mtp = mtp_tensors(tensors)
+        infos = mtp_tensors(index)
         try:
-            check_mtp_tensors(cfg, mtp)
+            check_mtp_tensors(cfg, infos)
         except ValueError as e:
             raise ValueError(f"{d}: {e}") from None
-        mtp = {n: np.ascontiguousarray(x, dtype=np.float32) for n, x in mtp.items()}
+        mtp = CheckpointTensors(infos)
     tokenizer = None
     if (d / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -238,9 +314,12 @@ def default_target_path() -> Path:
 
 
 def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
-         max_context: int = 4096, policy_cache: bool = True) -> Model:
-    """Load an HF-format Qwen3.5 (dense, text) checkpoint directory into a `Model`;
-    "default" loads the bundled target with its draft model attached.
+         max_context: int = 4096, policy_cache: bool = True, quiet: bool = False,
+         check_memory: bool = True, revision: str | None = None, download: bool = False) -> Model:
+    """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a hub id
+    ("Qwen/Qwen3.5-9B", from the local Hugging Face cache; `download=True` fetches it when the
+    network allows; `revision` picks a branch, tag or commit), or "default": the bundled target
+    with its draft model attached.
 
     weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4".
     kv: "int8" (paged int8 KV cache, the default) or "f32".
@@ -251,29 +330,62 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     slow, for tests and kernel ports), "sycl"; available_backends() lists what this install has.
     policy_cache: keep the speculation policy's calibration across processes (policy_cache.py;
     also off with SAPWOOD_POLICY_CACHE=0).
+    quiet: no progress bar (it shows on a terminal for loads over a second).
+    check_memory: refuse, before reading any weight, a model whose estimated footprint
+    (sapwood.estimate) exceeds the memory available (MemoryError naming both).
     """
     backend = resolve_backend(backend)
     check_args(weights, kv, backend, threads, max_context)
     if isinstance(path, str) and path == "default":  # the bundled pair: target + attached draft
         model = load(_bundled("target"), weights=weights, kv=kv, backend=backend,
-                     threads=threads, max_context=max_context)
+                     threads=threads, max_context=max_context, quiet=quiet)
         model.draft = load(_bundled("draft"), weights=weights, kv=kv, backend=backend,
-                           threads=threads, max_context=max_context)
+                           threads=threads, max_context=max_context, quiet=quiet)
         model.policy_cache = bool(policy_cache)
         return model
-    ck = read_checkpoint(path)
+    from .hub import resolve_checkpoint
+
+    d = resolve_checkpoint(path, revision=revision, download=download)
+    if check_memory:  # from config.json alone, before any header or weight is read
+        cfg = read_config(d)
+        check_fits(cfg, estimate_config(cfg, weights=weights, kv=kv, max_context=max_context), str(d))
+    ck = read_checkpoint(d)
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
-    engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
-                           0 if threads is None else threads, backend)
+    nthreads = 0 if threads is None else threads
+    with _progress(ck, quiet) as bar:
+        ck.weights.on_bytes = bar.update
+        try:
+            engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
+                                  nthreads, backend)
+        finally:
+            ck.weights.on_bytes = None
+            ck.weights.close()
+    head = head_name(ck.config)
+    amax = ck.weights.amax.get(head)
+    if amax is None:  # an engine that did not stream (a test's stand-in)
+        amax = _amax(ck.weights[head])
+    _check_logit_bound(ck.config, ck.weights["model.norm.weight"], amax)
+    ck.weights.close()
     model = Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
                   weights=weights, kv=kv, backend=backend, max_context=max_context)
     model.policy_cache = bool(policy_cache)
     if ck.mtp_weights is not None and ck.config.mtp_layers == 1:
-        model.mtp = _core.MtpHead(engine, ck.mtp_weights, weights, kv, max_context,
-                                  0 if threads is None else threads, backend)
-        model._mtp_tensors = ck.mtp_weights  # one layer: Model.new_sequence builds its head
+        # built on first use (Model.mtp), from the files: a load reads only what it runs
+        infos = ck.mtp_weights.infos  # a reader per build: sequences may build theirs at once
+        model.mtp_loader = lambda eng, nthreads: _core.MtpHead(
+            eng, CheckpointTensors(infos), weights, kv, max_context, nthreads, backend)
     elif ck.mtp_weights is not None:  # vLLM cycles deeper heads by draft row; not done here
         model.mtp_unsupported = (f"{MTP_CONFIG_KEY}={ck.config.mtp_layers}: sapwood runs MTP "
                                  "heads of one layer")
     return model
+
+
+def _progress(ck: Checkpoint, quiet: bool):
+    """A tqdm bar over the bytes read, on stderr; on a terminal only, after the first second."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=ck.weights.nbytes, unit="B", unit_scale=True, desc=f"loading {ck.path.name}",
+                file=sys.stderr, delay=1.0, leave=False, disable=True if quiet else None)

@@ -32,7 +32,8 @@ class Model:
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
         self.draft = None        # an attached draft Model (the bundled default has one)
-        self.mtp = None          # the checkpoint's MTP head (_core.MtpHead), when it has one
+        self._mtp = None         # the checkpoint's MTP head (the `mtp` property)
+        self.mtp_loader = None   # (engine, threads) -> _core.MtpHead: builds it on first use
         self.mtp_unsupported = None  # why a head the checkpoint has is not run
         # per drafter (speculation_policy()): costs and acceptance calibration across requests
         self._policies: dict = {}
@@ -50,8 +51,6 @@ class Model:
         gives. The two run requests side by side (one each at a time), and their verify rounds
         can share one forward (`sapwood._core.verify_many`). threads: the engine's worker
         threads (None: this engine's)."""
-        from . import _core
-
         eng = self.engine.new_sequence(threads=0 if threads is None else int(threads))
         m = Model(eng, self.tokenizer, self.config, self.generation_config, self.chat_template,
                   self.path, weights=self.weights, kv=self.kv, backend=self.backend,
@@ -60,12 +59,20 @@ class Model:
         m.mtp_unsupported = self.mtp_unsupported
         if self.draft is not None:
             m.draft = self.draft.new_sequence(threads=threads)
-        tensors = getattr(self, "_mtp_tensors", None)
-        if self.mtp is not None and tensors is not None:
-            m.mtp = _core.MtpHead(eng, tensors, self.weights, self.kv, self.max_context,
-                                  eng.threads, self.backend)
-            m._mtp_tensors = tensors
+        m.mtp_loader = self.mtp_loader  # a head of its own, built on first use
         return m
+
+    @property
+    def mtp(self):
+        """The checkpoint's MTP head (_core.MtpHead) or None: built from the checkpoint's files
+        the first time it is asked for, so a load reads and stores only what is used."""
+        if self._mtp is None and self.mtp_loader is not None:
+            self._mtp = self.mtp_loader(self.engine, self.engine.threads)
+        return self._mtp
+
+    @mtp.setter
+    def mtp(self, head) -> None:
+        self._mtp = head
 
     def _claim(self) -> None:
         """Take this model for one request, or raise if a request is running on it."""

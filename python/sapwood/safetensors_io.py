@@ -1,5 +1,10 @@
 """A small reader of the safetensors format: numpy only, no pickle, no torch.
 
+Why not the `safetensors` library's own reader: numpy has no bfloat16, so its numpy path cannot
+hand over the bf16 tensors every Qwen3.5 checkpoint holds, and a load needs bounded chunks of
+rows in the file's own dtype (the engine widens and quantizes them on its worker threads). The
+library stays the writer (tests, scripts) and the oracle these tests compare against.
+
 Layout: an 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then the
 data; offsets are relative to the first byte after the header. Everything is checked before any
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +33,11 @@ _DTYPES = {
 _FLOATS = ("F64", "F32", "F16", "BF16")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def numpy_dtype_name(dtype: str) -> str:
+    """A safetensors dtype as numpy names it ("BF16" -> "bfloat16", "I32" -> "int32")."""
+    return "bfloat16" if dtype == "BF16" else np.dtype(_DTYPES[dtype]).name
 
 
 def _no_duplicates(pairs):
@@ -134,9 +145,32 @@ def read_safetensors(path, names=None) -> dict[str, np.ndarray]:
     return out
 
 
-def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint directory: `model.safetensors`, or the shards listed in
-    `model.safetensors.index.json` (its `weight_map`: tensor name -> shard file).
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie: `offset` is absolute in `path`."""
+    path: Path
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of the tensor seen as [shape[0], the rest]."""
+        rows = self.shape[0] if self.shape else 1
+        return self.nbytes // rows if rows else 0
+
+
+def file_index(path) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} of one .safetensors file, from its validated header alone."""
+    path = Path(path)
+    tensors, start, _ = read_header(path)
+    return {n: TensorInfo(path, dt, shape, start + b, e - b) for n, (dt, shape, b, e) in tensors.items()}
+
+
+def checkpoint_index(directory) -> dict[str, TensorInfo]:
+    """Every tensor of an HF checkpoint directory (`model.safetensors`, or the shards listed in
+    `model.safetensors.index.json`) by name, from the headers alone: no tensor data is read.
 
     As transformers does, a single file wins over an index when both exist.
     """
@@ -144,7 +178,7 @@ def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
     if not d.is_dir():
         raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
     if (d / SINGLE_FILE).is_file():
-        return read_safetensors(d / SINGLE_FILE)
+        return file_index(d / SINGLE_FILE)
     index = d / INDEX_FILE
     if not index.is_file():
         others = sorted(p.name for p in d.glob("*.safetensors"))
@@ -158,6 +192,8 @@ def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
         raise ValueError(f"{index}: 'weight_map' must map tensor names to shard files")
     shards: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(f"{index}: tensor {name!r} maps to {shard!r}, not a file name in {d}")
         shards.setdefault(shard, []).append(name)
     for shard in shards:  # check every shard before reading any: fail fast on a partial download
         if not (d / shard).is_file():
@@ -165,5 +201,66 @@ def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
                              f"(holds {len(shards[shard])} tensors, e.g. {shards[shard][0]!r})")
     out = {}
     for shard, names in shards.items():
-        out.update(read_safetensors(d / shard, names))
+        infos = file_index(d / shard)
+        missing = [n for n in names if n not in infos]
+        if missing:
+            raise ValueError(f"{d / shard}: no tensor {missing[0]!r} in this file (listed in {INDEX_FILE})"
+                             + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+        out.update({n: infos[n] for n in names})
     return out
+
+
+class TensorReader:
+    """Reads tensors, or chunks of their rows, from the files of an index with plain reads into
+    one reused buffer: a load's memory is the engine's plus one chunk, and the file's pages stay
+    in the OS cache rather than in this process (a mapping would count them as resident)."""
+
+    def __init__(self, chunk_bytes: int = 32 << 20):
+        self._files: dict[Path, object] = {}
+        self._buf = np.empty(chunk_bytes, np.uint8)
+
+    def _read_into(self, info: TensorInfo, offset: int, out: np.ndarray) -> None:
+        f = self._files.get(info.path)
+        if f is None:
+            f = self._files[info.path] = open(info.path, "rb", buffering=0)
+        f.seek(offset)
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise ValueError(f"{info.path}: ended early while reading (file truncated or "
+                                 "changed while loading?)")
+            done += n
+
+    def rows(self, info: TensorInfo, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) in the file's dtype, flat (BF16 as its uint16 bits; the array is
+        the reused buffer, valid until the next call). F64 comes back as float32."""
+        n = (r1 - r0) * info.row_bytes
+        buf = self._buf if n <= self._buf.nbytes else np.empty(n, np.uint8)
+        raw = buf[:n]
+        self._read_into(info, info.offset + r0 * info.row_bytes, raw)
+        x = raw.view(_DTYPES[info.dtype])
+        return x.astype(np.float32) if info.dtype == "F64" else x
+
+    def read(self, info: TensorInfo) -> np.ndarray:
+        """The whole tensor, as read_safetensors gives it (floats widened to float32)."""
+        raw = np.empty(info.nbytes, np.uint8)
+        if info.nbytes:
+            self._read_into(info, info.offset, raw)
+        return _to_array(raw, info.dtype, info.shape)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory, read whole (floats as float32): for tests and
+    small models; `sapwood.load` streams instead (loading.CheckpointTensors)."""
+    index = checkpoint_index(directory)
+    reader = TensorReader(0)
+    try:
+        return {name: reader.read(info) for name, info in index.items()}
+    finally:
+        reader.close()

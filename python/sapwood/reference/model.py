@@ -114,7 +114,9 @@ class ModelConfig:
         if mt not in SUPPORTED_TYPES:
             raise ValueError(f"unsupported model_type {mt!r}; supported: {', '.join(SUPPORTED_TYPES)}")
         c = config
-        if mt == "qwen3_5" or "text_config" in config:
+        # A multimodal config nests the text model in text_config; some converters write
+        # model_type qwen3_5 over a flat text config, which is read as it is, not as defaults.
+        if "text_config" in config:
             c = config.get("text_config") or {}
             if not isinstance(c, dict):
                 raise ValueError(f"config.json: text_config={c!r}: must be an object")

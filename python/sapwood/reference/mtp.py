@@ -63,8 +63,9 @@ def check_mtp_tensors(cfg: ModelConfig, tensors: dict) -> None:
         raise ValueError(f"unexpected MTP tensor {extra[0]!r} {said}"
                          + (f"; {len(extra)} in all" if len(extra) > 1 else ""))
     for name, shape in shapes.items():
-        if tuple(np.shape(tensors[name])) != shape:
-            raise ValueError(f"MTP tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, "
+        got = tuple(getattr(tensors[name], "shape", np.shape(tensors[name])))  # arrays or TensorInfo
+        if got != shape:
+            raise ValueError(f"MTP tensor {name!r} has shape {got}, "
                              f"expected {shape}")
 
 

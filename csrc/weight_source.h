@@ -1,0 +1,85 @@
+// Where a load reads its tensors, and the loader that turns them into the engine's storage.
+//
+// A checkpoint is streamed: the loader asks its TensorSource for a bounded chunk of rows at a
+// time, in the file's own dtype (f32, f16 or bf16), and the worker threads widen each row,
+// check it, fold it into the model's fingerprint and store it in its final format (q8/q4
+// quantized on the fly). A load therefore holds the engine plus one chunk, never a whole
+// tensor widened to float32; the Python loader (loading.py) serves chunks read from the
+// safetensors shards. MapSource serves float32 tensors already in memory (tests, small heads).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "weights.h"
+
+namespace sapwood {
+
+enum class SrcDtype { F32, F16, BF16 };
+size_t src_dtype_size(SrcDtype t);
+
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  // The tensor's shape; false when the source has no such tensor.
+  virtual bool shape(const std::string& name, std::vector<int64_t>* shape) const = 0;
+  // Rows [r0, r1) of the tensor seen as [shape[0]][the rest], row-major in *dtype; the
+  // pointer stays valid until the next call.
+  virtual const void* rows(const std::string& name, int64_t r0, int64_t r1, SrcDtype* dtype) = 0;
+  // How much of a tensor the loader asks for at once.
+  virtual size_t chunk_bytes() const { return size_t(32) << 20; }
+};
+
+// A named float32 tensor in memory (Python arrays already checked by the bindings).
+struct Tensor {
+  const float* data;
+  std::vector<int64_t> shape;
+};
+using TensorMap = std::map<std::string, Tensor>;
+
+class MapSource : public TensorSource {
+ public:
+  explicit MapSource(const TensorMap& t) : t_(t) {}
+  bool shape(const std::string& name, std::vector<int64_t>* shape) const override;
+  const void* rows(const std::string& name, int64_t r0, int64_t r1, SrcDtype* dtype) override;
+
+ private:
+  const TensorMap& t_;
+};
+
+class WeightLoader {
+ public:
+  WeightLoader(TensorSource& src, int threads) : src_(src), threads_(threads) {}
+  // A [rows, cols] matrix in format f.
+  QMatrix matrix(const std::string& name, int rows, int cols, WFormat f);
+  // The whole tensor as floats (norms, conv taps, gates: small).
+  std::vector<float> vector(const std::string& name, const std::vector<int64_t>& shape);
+  // Streams the [rows, cols] tensor's rows: fn(row index, its cols floats), on the worker
+  // threads, each row once, rows in any order. A non-finite value throws naming the tensor.
+  // Every streamed tensor enters the fingerprint.
+  template <class F>
+  void each_row(const std::string& name, int64_t rows, int64_t cols, F&& fn);
+  // A hash of every tensor read (names, shapes, values as float32), whatever the read order,
+  // the source's dtype for equal values, the chunking or the thread count.
+  uint64_t fingerprint() const;
+  // Throws naming the tensor when it is missing or its shape is not `want`.
+  void check_shape(const std::string& name, const std::vector<int64_t>& want) const;
+
+ private:
+  using RowFn = void (*)(void*, int64_t, const float*);
+  void stream(const std::string& name, int64_t rows, int64_t cols, RowFn fn, void* obj);
+
+  TensorSource& src_;
+  int threads_;
+  std::map<std::string, uint64_t> hashes_;
+};
+
+template <class F>
+void WeightLoader::each_row(const std::string& name, int64_t rows, int64_t cols, F&& fn) {
+  stream(name, rows, cols,
+         [](void* o, int64_t r, const float* x) { (*static_cast<std::remove_reference_t<F>*>(o))(r, x); },
+         const_cast<void*>(static_cast<const void*>(&fn)));
+}
+
+}  // namespace sapwood
