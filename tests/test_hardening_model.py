@@ -215,7 +215,11 @@ def _write_config(src, dst, **change):
     (dict(rope_parameters={"rope_type": "default", "rope_theta": math.nan}), r"rope_theta=nan"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 1.5}),
      r"partial_rotary_factor=1.5: must be a finite number > 0.0 and <= 1.0"),
-    (dict(num_key_value_heads=0), r"num_key_value_heads=0: must be an integer >= 1"),
+    (dict(num_key_value_heads=0), r"num_key_value_heads=0: must be an integer in \[1, "),
+    # a claim of 10^7 layers is refused before anything is sized from it (issue 50, case 8)
+    (dict(num_hidden_layers=10 ** 7, layer_types=None), r"num_hidden_layers=10000000: must be an "
+                                                        r"integer in \[1, 4096\]"),
+    (dict(hidden_size=1 << 40), r"hidden_size=1099511627776: must be an integer in \[1, 16777216\]"),
     (dict(eos_token_id="2"), r"eos_token_id='2'"),
     (dict(layer_types="linear_attention"), r"layer_types='linear_attention': must be a list"),
     (dict(attention_bias="no"), r"attention_bias='no': must be true or false"),

@@ -112,37 +112,48 @@ def test_estimate_matches_the_engine(tiny, weights, kv):
     assert est.parts["mtp_drafter"] > 0 and est.total > sum(mem.values())
 
 
-def _write_config_only(d, **overrides):
-    """A checkpoint directory with only config.json: the Qwen3.5-9B text shape."""
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
-           "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
-           "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
-           "linear_num_value_heads": 32, "tie_word_embeddings": False, **overrides}
-    (d / "config.json").write_text(json.dumps(cfg))
+@pytest.fixture(scope="module")
+def nine_b(tmp_path_factory):
+    """Qwen3.5-9B as published, its files holes: real headers, no disk, every value zero."""
+    from sapwood.checkpoints import write_checkpoint
+
+    d = tmp_path_factory.mktemp("nine")
+    write_checkpoint("9B", d, sparse=True, tokenizer=None)
     return d
 
 
-def test_too_big_refused_before_reading(tmp_path, monkeypatch):
+def test_too_big_refused_before_reading(nine_b, monkeypatch):
     monkeypatch.setenv("SAPWOOD_MEMORY_GB", "20")
-    d = _write_config_only(tmp_path / "nine")  # no weights at all: the check comes first
     with pytest.raises(MemoryError, match=r"weights='f32' needs 3\d\.\d GB, 20\.0 GB available; "
                                           r"weights='bf16' needs 1\d\.\d GB") as e:
-        sapwood.load(d, weights="f32")
+        sapwood.load(nine_b, weights="f32")
     assert "kv_cache" in str(e.value) and "check_memory=False" in str(e.value)
-    with pytest.raises(ValueError, match="no model.safetensors"):  # past the check: reads files
-        sapwood.load(d, weights="q4")
     monkeypatch.setenv("SAPWOOD_MEMORY_GB", "1")
     with pytest.raises(MemoryError, match="no weights mode fits"):
-        sapwood.load(d, weights="q4")
-    with pytest.raises(ValueError, match="no model.safetensors"):
-        sapwood.load(d, weights="q4", check_memory=False)
+        sapwood.load(nine_b, weights="q4")
+    est = sapwood.estimate(nine_b, weights="q4")
+    assert 4.5e9 < est.parts["weights"] < 6e9 and "mtp_drafter" in est.parts
 
 
-def test_flat_multimodal_config_is_not_defaults(tmp_path):
-    flat = json.loads(_write_config_only(tmp_path / "a").joinpath("config.json").read_text())
-    cfg = ModelConfig.from_dict({**flat, "model_type": "qwen3_5", "hidden_size": 1024})
-    assert cfg.hidden_size == 1024 and cfg.vocab_size == 248320
+def test_config_contradicted_by_the_tensors_named_before_the_memory_check(nine_b, tmp_path,
+                                                                         monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("SAPWOOD_MEMORY_GB", "1")
+    d = tmp_path / "more_layers"
+    shutil.copytree(nine_b, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = 4000
+    cfg["text_config"].pop("layer_types")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.32."):
+        sapwood.load(d)
+
+
+def test_flat_multimodal_config_is_not_defaults(nine_b):
+    text = json.loads((nine_b / "config.json").read_text())["text_config"]
+    cfg = ModelConfig.from_dict({**text, "model_type": "qwen3_5", "hidden_size": 1024})
+    assert cfg.hidden_size == 1024 and cfg.num_layers == len(text["layer_types"])
 
 
 # Real vocabulary, narrow layers: the embedding and the head dominate, as in the real models.

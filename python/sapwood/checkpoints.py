@@ -394,9 +394,9 @@ def _refuse_repo_path(path: Path) -> None:
 
 
 def _write_shard(filename: Path, names: list[str], shapes: dict, dtype: str, hidden: int,
-                 seed: int) -> None:
+                 seed: int, sparse: bool = False) -> None:
     """A safetensors file streamed tensor by tensor: the header first (offsets known from the
-    shapes), then each tensor's chunks as they are generated."""
+    shapes), then each tensor's chunks as they are generated (sparse: a hole of zeros)."""
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for name in sorted(names):
         nbytes = _nbytes(name, shapes[name], dtype)
@@ -408,7 +408,9 @@ def _write_shard(filename: Path, names: list[str], shapes: dict, dtype: str, hid
     tmp = filename.with_name(filename.name + ".part")
     with open(tmp, "wb") as f:
         f.write(len(h).to_bytes(8, "little") + h)
-        for name in sorted(names):
+        if sparse:
+            f.truncate(8 + len(h) + off)
+        for name in sorted(names) if not sparse else ():
             for chunk in _chunks(name, shapes[name], hidden, seed, tensor_dtype(name, dtype)):
                 f.write(chunk.data)
     os.replace(tmp, filename)
@@ -425,7 +427,8 @@ def _remove_old_weights(path: Path) -> None:
 def write_checkpoint(size: str, path, *, dtype: str = "bf16", seed: int = 0, multimodal: bool = True,
                      vision: bool = True, mtp: bool = True, overrides: dict | None = None,
                      vision_overrides: dict | None = None, shard_gb: float = 4.0,
-                     index_always: bool = False, tokenizer: str | None = "auto") -> CheckpointStats:
+                     index_always: bool = False, tokenizer: str | None = "auto",
+                     sparse: bool = False) -> CheckpointStats:
     """Write a random Qwen3.5-{size} checkpoint directory at `path` (scratch space: refused
     inside the repository); return what was written.
 
@@ -434,6 +437,8 @@ def write_checkpoint(size: str, path, *, dtype: str = "bf16", seed: int = 0, mul
     and the tokenizer (tokenizer.json + tokenizer_config.json; see write_tokenizer; None skips it).
     index_always: shard names and an index even for one shard, as the published small repos do.
     Old weight files in `path` are removed first, so an index never points at a stale shard.
+    sparse: every value zero, the files holes that take no disk and no time (any size, for
+    tests that stop before the weights are read, or read them as zeros).
     """
     t0 = time.perf_counter()
     config, shapes, shards, stats = _prepare(size, dtype, multimodal, vision, mtp, overrides,
@@ -447,7 +452,7 @@ def write_checkpoint(size: str, path, *, dtype: str = "bf16", seed: int = 0, mul
     (path / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     (path / "generation_config.json").write_text(json.dumps(_GENERATION_CONFIG, indent=2) + "\n")
     for fname, names in zip(stats.shards, shards):
-        _write_shard(path / fname, names, shapes, stats.dtype, hidden, seed)
+        _write_shard(path / fname, names, shapes, stats.dtype, hidden, seed, sparse)
     if stats.shards != ["model.safetensors"]:
         index = {"metadata": {"total_size": stats.bytes},
                  "weight_map": {n: f for f, names in zip(stats.shards, shards) for n in sorted(names)}}

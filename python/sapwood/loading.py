@@ -345,11 +345,12 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
         return model
     from .hub import resolve_checkpoint
 
-    d = resolve_checkpoint(path, revision=revision, download=download)
-    if check_memory:  # from config.json alone, before any header or weight is read
-        cfg = read_config(d)
-        check_fits(cfg, estimate_config(cfg, weights=weights, kv=kv, max_context=max_context), str(d))
-    ck = read_checkpoint(d)
+    # the checkpoint checked from its headers first (a config that the tensors contradict is
+    # named as such), then its footprint, before any weight is read
+    ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
+    if check_memory:
+        check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
+                                              max_context=max_context), str(ck.path))
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
     nthreads = 0 if threads is None else threads

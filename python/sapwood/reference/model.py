@@ -37,14 +37,20 @@ HEAD_ORDER_KEY = "sapwood_gdn_head_order"
 _MISSING = object()
 
 
-def _int_key(c: dict, key: str, default, lo: int = 1) -> int:
-    """config[key] as an int >= lo: a JSON integer only (not a bool, a float or a string, which
-    int() would have truncated or parsed)."""
+# Bounds the engine holds too (csrc/engine.cpp's checked()): a config claiming 10^7 layers is
+# refused here, before anything is sized from it, not after gigabytes of tables were built.
+MAX_DIM = 1 << 24
+MAX_LAYERS = 4096
+
+
+def _int_key(c: dict, key: str, default, lo: int = 1, hi: int = MAX_DIM) -> int:
+    """config[key] as an int in [lo, hi]: a JSON integer only (not a bool, a float or a string,
+    which int() would have truncated or parsed)."""
     v = c.get(key, _MISSING)
     if v is _MISSING or (v is None and default is not None):
         return default
-    if type(v) is not int or v < lo:
-        raise ValueError(f"config.json: {key}={v!r}: must be an integer >= {lo}")
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"config.json: {key}={v!r}: must be an integer in [{lo}, {hi}]")
     return v
 
 
@@ -132,7 +138,7 @@ class ModelConfig:
         if _bool_key(c, "attention_bias", False):
             raise ValueError("attention_bias=True is not supported")
 
-        n_layers = _int_key(c, "num_hidden_layers", 32)
+        n_layers = _int_key(c, "num_hidden_layers", 32, hi=MAX_LAYERS)
         types = c.get("layer_types")
         if types is None:  # HF: full iff (i+1) % full_attention_interval == 0
             interval = _int_key(c, "full_attention_interval", 4)
@@ -180,7 +186,7 @@ class ModelConfig:
             dv=_int_key(c, "linear_value_head_dim", 128),
             conv_kernel=_int_key(c, "linear_conv_kernel_dim", 4),
             head_order=order, eos_token_ids=eos,
-            mtp_layers=_int_key(c if "mtp_num_hidden_layers" in c else config, "mtp_num_hidden_layers", 0, lo=0))
+            mtp_layers=_int_key(c if "mtp_num_hidden_layers" in c else config, "mtp_num_hidden_layers", 0, lo=0, hi=MAX_LAYERS))
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
