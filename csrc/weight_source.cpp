@@ -120,38 +120,45 @@ void WeightLoader::check_shape(const std::string& name, const std::vector<int64_
            shape_str(want));
 }
 
-void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, RowFn fn,
+void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, BlockFn fn,
                           void* obj) {
-  const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes() / size_t(cols * 4)));
+  const int64_t B = kBlockRows;  // chunks and jobs start on block boundaries
+  const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes() / size_t(cols * 4)) / B) * B;
   std::atomic<uint64_t> sum{0};
   std::mutex bad_mu;
   int64_t bad = -1;  // the first non-finite value's flat index, and the value
   float bad_value = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
-    const int64_t r1 = std::min(rows, r0 + per), n = r1 - r0;
+    const int64_t r1 = std::min(rows, r0 + per), n = r1 - r0, blocks = (n + B - 1) / B;
     SrcDtype t = SrcDtype::F32;
     const char* p = static_cast<const char*>(src_.rows(name, r0, r1, &t));
     const size_t row_bytes = size_t(cols) * src_dtype_size(t);
-    const int jobs = int(std::min<int64_t>(n, std::max(1, threads_)));
+    const int jobs = int(std::min<int64_t>(blocks, std::max(1, threads_)));
     parallel_for(jobs, threads_, [&](int j) {
       thread_local std::vector<float> buf;
-      buf.resize(size_t(cols));
+      buf.resize(size_t(B * cols));
       uint64_t local = 0;
-      for (int64_t i = n * j / jobs; i < n * (j + 1) / jobs; ++i) {
-        const void* raw = p + size_t(i) * row_bytes;
+      for (int64_t b = blocks * j / jobs; b < blocks * (j + 1) / jobs; ++b) {
+        const int64_t i0 = b * B, m = std::min(B, n - i0);
+        const void* raw = p + size_t(i0) * row_bytes;
         const float* x = t == SrcDtype::F32 ? static_cast<const float*>(raw) : buf.data();
-        if (t != SrcDtype::F32) widen(raw, t, cols, buf.data());
-        const int64_t k = first_non_finite(x, cols);
-        if (k >= 0) {
-          std::lock_guard<std::mutex> lock(bad_mu);
-          const int64_t flat = (r0 + i) * cols + k;
-          if (bad < 0 || flat < bad) bad = flat, bad_value = x[k];
-          continue;
+        if (t != SrcDtype::F32) widen(raw, t, m * cols, buf.data());
+        bool ok = true;
+        for (int64_t i = 0; i < m; ++i) {
+          const float* row = x + size_t(i * cols);
+          const int64_t k = first_non_finite(row, cols);
+          if (k >= 0) {
+            std::lock_guard<std::mutex> lock(bad_mu);
+            const int64_t flat = (r0 + i0 + i) * cols + k;
+            if (bad < 0 || flat < bad) bad = flat, bad_value = row[k];
+            ok = false;
+            continue;
+          }
+          Hasher h;
+          h.data(row, size_t(cols));
+          local += mix(h.h ^ mix(uint64_t(r0 + i0 + i)));
         }
-        Hasher h;
-        h.data(x, size_t(cols));
-        local += mix(h.h ^ mix(uint64_t(r0 + i)));
-        fn(obj, r0 + i, x);
+        if (ok) fn(obj, r0 + i0, int(m), x);
       }
       sum.fetch_add(local, std::memory_order_relaxed);
     });
@@ -167,7 +174,8 @@ QMatrix WeightLoader::matrix(const std::string& name, int rows, int cols, WForma
   check_shape(name, {rows, cols});
   QMatrix m;
   m.init(rows, cols, f);
-  each_row(name, rows, cols, [&](int64_t r, const float* x) { m.set_row(int(r), x); });
+  each_block(name, rows, cols,
+             [&](int64_t r0, int n, const float* x) { m.set_rows(int(r0), n, x, size_t(cols)); });
   return m;
 }
 

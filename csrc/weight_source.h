@@ -55,11 +55,21 @@ class WeightLoader {
   QMatrix matrix(const std::string& name, int rows, int cols, WFormat f);
   // The whole tensor as floats (norms, conv taps, gates: small).
   std::vector<float> vector(const std::string& name, const std::vector<int64_t>& shape);
-  // Streams the [rows, cols] tensor's rows: fn(row index, its cols floats), on the worker
-  // threads, each row once, rows in any order. A non-finite value throws naming the tensor.
-  // Every streamed tensor enters the fingerprint.
+  // Streams the [rows, cols] tensor: fn(r0, n, x) with rows [r0, r0 + n) as n * cols floats,
+  // on the worker threads, each row once, blocks in any order. Blocks are kBlockRows rows
+  // starting at multiples of kBlockRows (the last one shorter): a group of output channels
+  // that Q8/F32/BF16 interleave is stored by one thread in one go. A non-finite value throws
+  // naming the tensor. Every streamed tensor enters the fingerprint.
+  static constexpr int kBlockRows = 16;
   template <class F>
-  void each_row(const std::string& name, int64_t rows, int64_t cols, F&& fn);
+  void each_block(const std::string& name, int64_t rows, int64_t cols, F&& fn);
+  // each_block one row at a time: fn(r, x).
+  template <class F>
+  void each_row(const std::string& name, int64_t rows, int64_t cols, F&& fn) {
+    each_block(name, rows, cols, [&](int64_t r0, int n, const float* x) {
+      for (int i = 0; i < n; ++i) fn(r0 + i, x + size_t(i) * size_t(cols));
+    });
+  }
   // A hash of every tensor read (names, shapes, values as float32), whatever the read order,
   // the source's dtype for equal values, the chunking or the thread count.
   uint64_t fingerprint() const;
@@ -67,8 +77,8 @@ class WeightLoader {
   void check_shape(const std::string& name, const std::vector<int64_t>& want) const;
 
  private:
-  using RowFn = void (*)(void*, int64_t, const float*);
-  void stream(const std::string& name, int64_t rows, int64_t cols, RowFn fn, void* obj);
+  using BlockFn = void (*)(void*, int64_t, int, const float*);
+  void stream(const std::string& name, int64_t rows, int64_t cols, BlockFn fn, void* obj);
 
   TensorSource& src_;
   int threads_;
@@ -76,9 +86,11 @@ class WeightLoader {
 };
 
 template <class F>
-void WeightLoader::each_row(const std::string& name, int64_t rows, int64_t cols, F&& fn) {
+void WeightLoader::each_block(const std::string& name, int64_t rows, int64_t cols, F&& fn) {
   stream(name, rows, cols,
-         [](void* o, int64_t r, const float* x) { (*static_cast<std::remove_reference_t<F>*>(o))(r, x); },
+         [](void* o, int64_t r0, int n, const float* x) {
+           (*static_cast<std::remove_reference_t<F>*>(o))(r0, n, x);
+         },
          const_cast<void*>(static_cast<const void*>(&fn)));
 }
 

@@ -79,9 +79,41 @@ void QMatrix::set_row(int o, const float* w) {
   }
 }
 
+void QMatrix::set_rows(int o0, int n, const float* w, size_t stride) {
+  if (o0 % kQ8Group != 0 || n > kQ8Group || fmt == WFormat::Q4) {
+    for (int i = 0; i < n; ++i) set_row(o0 + i, w + size_t(i) * stride);
+    return;
+  }
+  const int c = cols;
+  if (fmt == WFormat::Q8) {
+    thread_local std::vector<int8_t> q;
+    q.assign(size_t(kQ8Group) * cols_pad, 0);
+    for (int i = 0; i < n; ++i) {
+      int8_t* qi = &q[size_t(i) * cols_pad];
+      scale[o0 + i] = quantize_block(w + size_t(i) * stride, c, 127.0f, qi);
+      int32_t sum = 0;
+      for (int k = 0; k < c; ++k) sum += qi[k];
+      q8_sum[o0 + i] = sum;
+    }
+    int8_t* dst = &q8[q8_index(o0, 0)];
+    for (int quad = 0; quad < cols_pad / kQ8Quad; ++quad)
+      for (int i = 0; i < n; ++i)
+        std::memcpy(dst + size_t(quad) * kQ8QuadBytes + i * kQ8Quad, &q[size_t(i) * cols_pad + quad * kQ8Quad],
+                    kQ8Quad);
+    return;
+  }
+  const size_t base = size_t(o0 / kOutBlock) * c * kOutBlock;  // F32 / BF16: [k][16 outputs]
+  for (int k = 0; k < c; ++k)
+    for (int i = 0; i < n; ++i) {
+      const float x = w[size_t(i) * stride + k];
+      if (fmt == WFormat::F32) f32[base + size_t(k) * kOutBlock + i] = x;
+      else bf16[base + size_t(k) * kOutBlock + i] = f32_to_bf16(x);
+    }
+}
+
 void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   init(r, c, f);
-  for (int o = 0; o < r; ++o) set_row(o, w + size_t(o) * c);
+  for (int o = 0; o < r; o += kQ8Group) set_rows(o, std::min(kQ8Group, r - o), w + size_t(o) * c, size_t(c));
 }
 
 size_t QMatrix::bytes() const {

@@ -40,11 +40,15 @@ struct QMatrix {
   BigVector<uint8_t> q4;
   std::vector<float> scale;
 
-  void quantize(const float* w, int rows, int cols, WFormat fmt);  // init, then every row
+  void quantize(const float* w, int rows, int cols, WFormat fmt);  // init, then set_rows
   // Streaming: init sizes the storage (zero padding), then set_row(o, w) stores row o of W
   // (cols floats); rows may be set in any order, from several threads at once.
   void init(int rows, int cols, WFormat fmt);
   void set_row(int o, const float* w);
+  // Rows o0 .. o0 + n - 1 (w: n rows `stride` floats apart). With o0 a multiple of 16 the
+  // interleaved formats write each group's bytes in order (set_row scatters 4-byte runs 64
+  // bytes apart), the way a load fills a matrix.
+  void set_rows(int o0, int n, const float* w, size_t stride);
   static constexpr int kQ8Group = 16, kQ8Quad = 4;
   static constexpr int kQ8QuadBytes = kQ8Group * kQ8Quad;  // 64: one quad of a group
   // Q8: where input k of output o sits (row padding to 16 outputs stays zero)

@@ -188,3 +188,24 @@ def test_real_0_8b_shape_loads_in_bounded_memory_and_generates(tmp_path):
     m = sapwood.load(tmp_path, weights="q4", max_context=128, quiet=True)
     plain = m.generate([1, 2, 3, 4], max_tokens=6, verify="off")
     assert plain.tokens == m.generate([1, 2, 3, 4], max_tokens=6, drafter="mtp", verify="chain").tokens
+
+
+class _Terminal(__import__("io").StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tty, quiet, shown", [(True, False, True), (True, True, False),
+                                               (False, False, False)])
+def test_progress_bar_on_a_terminal_unless_quiet(tiny, monkeypatch, tty, quiet, shown):
+    from sapwood.loading import _progress
+
+    err = _Terminal() if tty else __import__("io").StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    ck = read_checkpoint(tiny)
+    with _progress(ck, quiet) as bar:
+        assert bar.disable is not shown and bar.total == ck.weights.nbytes
+        bar.delay = 0  # as if the load had taken over a second: the bar draws
+        bar.update(ck.weights.nbytes)
+        bar.refresh()
+    assert ("loading" in err.getvalue()) is shown

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,14 @@ def read_seconds(path) -> dict:
     return _run(_READ, path)
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoints", nargs="+")
@@ -77,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     a = ap.parse_args(argv)
     runs = []
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores; GB = 1e9 bytes")
+    print(f"# {_cpu()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+          "GB = 1e9 bytes; load s: median [range]")
     print(f"{'checkpoint':<28} {'mode':<5} {'load s':>12} {'read s':>7} {'peak GB':>8} "
           f"{'final GB':>8} {'engine GB':>9} {'peak/final':>10}")
     for ck in a.checkpoints:
@@ -87,9 +97,10 @@ def main(argv=None) -> int:
             grew = [r["peak"] - r["base"] for r in rs]
             held = [r["final"] - r["base"] for r in rs]
             loads = sorted(r["load_s"] for r in rs)
+            mid = statistics.median(loads)
             runs.append({"checkpoint": str(ck), "weights": w, "loads": rs, "read": rd,
                          "time": time.time()})
-            print(f"{Path(ck).name:<28} {w:<5} {loads[len(loads) // 2]:6.1f} "
+            print(f"{Path(ck).name:<28} {w:<5} {mid:6.1f} "
                   f"[{loads[0]:.1f}-{loads[-1]:.1f}] {rd['read_s']:7.1f} {max(grew) / 1e9:8.2f} "
                   f"{held[0] / 1e9:8.2f} {rs[0]['engine'] / 1e9:9.2f} {max(grew) / min(held):10.2f}",
                   flush=True)
