@@ -118,3 +118,32 @@ def test_download_asks_snapshot_download(cache, monkeypatch):
                     "cache_dir": str(cache), "allow_patterns": ALLOW_PATTERNS}
     resolve_checkpoint("Org/Other")
     assert seen["local_files_only"] is True
+
+
+def test_load_and_cli_take_a_hub_id(tmp_path, monkeypatch, capsys):
+    """sapwood.load, `sapwood inspect` and `--model` resolve an id from the cache, offline."""
+    import shutil
+
+    import sapwood
+    from sapwood.cli import main
+    from sapwood.testing import make_tiny_checkpoint
+
+    cache = tmp_path / "hub"
+    snap = fake_repo(cache, "Qwen/Tiny") / "snapshots" / MAIN
+    (snap / "config.json").unlink()
+    src = tmp_path / "src"
+    make_tiny_checkpoint(src, seed=4)
+    for f in src.iterdir():
+        shutil.copy(f, snap / f.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    m = sapwood.load("Qwen/Tiny", max_context=64, quiet=True)
+    assert m.path == snap and m.generate([1, 2, 3], max_tokens=4, verify="off").tokens == \
+        sapwood.load(src, max_context=64).generate([1, 2, 3], max_tokens=4, verify="off").tokens
+    assert main(["inspect", "Qwen/Tiny", "--weights", "q4"]) == 0
+    out = capsys.readouterr().out
+    assert str(snap) in out and "weights='q4'" in out and "total" in out
+    assert main(["generate", "--model", "Qwen/Tiny", "--max-tokens", "3", "--json", "hi"]) == 0
+    assert main(["inspect", "Qwen/Missing"]) == 1
+    assert "hf download Qwen/Missing" in capsys.readouterr().err
