@@ -117,7 +117,8 @@ def test_generate_token_identical(q8_model, verify, temperature):
                             temperature=temperature, seed=5, width=6 if verify == "tree" else None)
     assert out.tokens == plain.tokens
     assert out.stats.cycles < out.stats.tokens or out.stats.draft_rows_accepted == 0
-    assert out.stats.nodes_verified > out.stats.cycles  # drafts were verified
+    if verify != "auto":  # auto may measure plain decoding faster and draft nothing: timing
+        assert out.stats.nodes_verified > out.stats.cycles  # drafts were verified
 
 
 def test_none_prefers_mtp_and_cache_prompt_identical(q8_model):
@@ -182,7 +183,8 @@ def test_generate_on_gpu_backend_token_identical(plain_ckpt, backend, verify, te
     out = m.generate(prompt, max_tokens=16, verify=verify, drafter="mtp", temperature=temperature,
                      seed=5, width=6 if verify == "tree" else None)
     assert out.tokens == plain.tokens
-    assert out.stats.nodes_verified > out.stats.cycles  # drafts were verified
+    if verify != "auto":  # auto may measure plain decoding faster and draft nothing: timing
+        assert out.stats.nodes_verified > out.stats.cycles  # drafts were verified
 
 
 def _rewrite(d: Path, mutate_weights=None, mutate_config=None):
