@@ -10,6 +10,8 @@
 // nearly as fast.
 #pragma once
 #include <cstddef>
+#include <new>
+#include <utility>
 #include <vector>
 
 namespace sapwood {
@@ -41,6 +43,17 @@ struct HugePageAllocator {
   template <class U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t n) { return static_cast<T*>(alloc_huge_capable(n * sizeof(T))); }
+  // resize(n) leaves the new elements default-initialised (uninitialised, for the arithmetic
+  // types stored here): a weight matrix's pages are first touched by the loader's worker
+  // threads as they store its rows, in parallel, not zero-filled by one thread beforehand.
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
   void deallocate(T* p, size_t n) { free_huge_capable(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }

@@ -30,17 +30,25 @@ static int round_up(int x, int m) { return (x + m - 1) / m * m; }
 void QMatrix::init(int r, int c, WFormat f) {
   fmt = f, rows = r, cols = c, cols_pad = 0;
   f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
-  // padding (outputs past `rows`, inputs past `cols`) stays zero: the kernels read it
-  if (f == WFormat::F32) f32.assign(size_t(round_up(r, kOutBlock)) * c, 0.0f);
-  else if (f == WFormat::BF16) bf16.assign(size_t(round_up(r, kOutBlock)) * c, 0);
-  else if (f == WFormat::Q8) {
+  // Storage is left unwritten (BigVector): set_row(s) write every byte of every row, padding
+  // inputs included. Only the padding outputs of the last group of 16 are zeroed here: the
+  // kernels read them.
+  const size_t r16 = size_t(round_up(r, kOutBlock)), last = r16 >= kOutBlock ? r16 - kOutBlock : 0;
+  if (f == WFormat::F32) {
+    f32.resize(r16 * c);
+    std::fill(f32.begin() + last * c, f32.end(), 0.0f);
+  } else if (f == WFormat::BF16) {
+    bf16.resize(r16 * c);
+    std::fill(bf16.begin() + last * c, bf16.end(), uint16_t(0));
+  } else if (f == WFormat::Q8) {
     cols_pad = round_up(c, 32);
-    q8.assign(size_t(round_up(r, kQ8Group)) * cols_pad, 0);
+    q8.resize(r16 * cols_pad);
+    std::fill(q8.begin() + last * cols_pad, q8.end(), int8_t(0));
     scale.assign(r, 0.0f);
     q8_sum.assign(r, 0);
   } else {
     cols_pad = round_up(c, kQ4Group);
-    q4.assign(size_t(r) * cols_pad / 2, 0x88);
+    q4.resize(size_t(r) * cols_pad / 2);
     scale.assign(size_t(r) * (cols_pad / kQ4Group), 0.0f);
   }
 }
@@ -57,24 +65,21 @@ void QMatrix::set_row(int o, const float* w) {
     }
   } else if (fmt == WFormat::Q8) {
     thread_local std::vector<int8_t> row;
-    row.resize(c);
+    row.assign(cols_pad, 0);  // padding inputs stored as zeros too
     int8_t* q = row.data();
     int32_t sum = 0;
     scale[o] = quantize_block(w, c, 127.0f, q);
-    for (int k = 0; k < c; ++k) q8[q8_index(o, k)] = q[k], sum += q[k];
+    for (int k = 0; k < cols_pad; ++k) q8[q8_index(o, k)] = q[k], sum += q[k];
     q8_sum[o] = sum;
   } else {
     const int groups = cols_pad / kQ4Group;
     for (int g = 0; g < groups; ++g) {
       const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
-      int8_t qs[kQ4Group];
+      int8_t qs[kQ4Group] = {};  // inputs past cols stay 0: stored 8, as init leaves them
       scale[size_t(o) * groups + g] = quantize_block(w + k0, k1 - k0, 7.0f, qs);
-      for (int k = k0; k < k1; ++k) {
-        const int q = qs[k - k0];
-        uint8_t& byte = q4[q4_byte(o, k)];
-        byte = (k - k0) < kQ4Group / 2 ? uint8_t((byte & 0xF0) | (q + 8))
-                                       : uint8_t((byte & 0x0F) | ((q + 8) << 4));
-      }
+      uint8_t* dst = &q4[q4_byte(o, k0)];  // byte j: input j (low nibble), j + 32 (high)
+      for (int j = 0; j < kQ4Group / 2; ++j)
+        dst[j] = uint8_t((qs[j] + 8) | ((qs[j + kQ4Group / 2] + 8) << 4));
     }
   }
 }

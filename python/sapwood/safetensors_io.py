@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,31 +213,45 @@ def checkpoint_index(directory) -> dict[str, TensorInfo]:
 
 class TensorReader:
     """Reads tensors, or chunks of their rows, from the files of an index with plain reads into
-    one reused buffer: a load's memory is the engine's plus one chunk, and the file's pages stay
-    in the OS cache rather than in this process (a mapping would count them as resident)."""
+    a reused buffer: a load's memory is the engine's plus one chunk, and the file's pages stay
+    in the OS cache rather than in this process (a mapping would count them as resident).
+    Engines may be built from one reader on several threads at once: each thread has its own
+    buffer, and reads name their offset (pread) instead of sharing a file position."""
 
     def __init__(self, chunk_bytes: int = 32 << 20):
-        self._files: dict[Path, object] = {}
-        self._buf = np.empty(chunk_bytes, np.uint8)
+        self.chunk_bytes = int(chunk_bytes)
+        self._files: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._files.get(path)
+            if fd is None:
+                fd = self._files[path] = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            return fd
 
     def _read_into(self, info: TensorInfo, offset: int, out: np.ndarray) -> None:
-        f = self._files.get(info.path)
-        if f is None:
-            f = self._files[info.path] = open(info.path, "rb", buffering=0)
-        f.seek(offset)
-        view, done = memoryview(out).cast("B"), 0
+        fd, view, done = self._fd(info.path), memoryview(out).cast("B"), 0
         while done < len(view):
-            n = f.readinto(view[done:])
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [view[done:]], offset + done)
+            else:  # no positioned reads (Windows): one reader at a time
+                with self._lock:
+                    os.lseek(fd, offset + done, os.SEEK_SET)
+                    n = os.readv(fd, [view[done:]])
             if not n:
                 raise ValueError(f"{info.path}: ended early while reading (file truncated or "
                                  "changed while loading?)")
             done += n
 
     def rows(self, info: TensorInfo, r0: int, r1: int) -> np.ndarray:
-        """Rows [r0, r1) in the file's dtype, flat (BF16 as its uint16 bits; the array is
-        the reused buffer, valid until the next call). F64 comes back as float32."""
+        """Rows [r0, r1) in the file's dtype, flat (BF16 as its uint16 bits; the array is this
+        thread's reused buffer, valid until its next call). F64 comes back as float32."""
         n = (r1 - r0) * info.row_bytes
-        buf = self._buf if n <= self._buf.nbytes else np.empty(n, np.uint8)
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < n:
+            buf = self._local.buf = np.empty(max(n, self.chunk_bytes), np.uint8)
         raw = buf[:n]
         self._read_into(info, info.offset + r0 * info.row_bytes, raw)
         x = raw.view(_DTYPES[info.dtype])
@@ -250,9 +265,11 @@ class TensorReader:
         return _to_array(raw, info.dtype, info.shape)
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
+        self._local = threading.local()  # the buffers go with the load
 
 
 def load_checkpoint_weights(directory) -> dict[str, np.ndarray]:
