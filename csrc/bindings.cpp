@@ -13,6 +13,7 @@
 #include "bindings_util.h"
 #include "huge_pages.h"
 #include "common.h"
+#include "exclusive.h"
 #include "gdn_layer.h"
 #include "kernels/kernels.h"
 #include "kv_cache.h"
@@ -24,6 +25,25 @@ using namespace sapwood;
 
 namespace {
 
+// KVSequence and GDNLayer as handed to Python: with an Exclusive (exclusive.h) that every
+// method holds, since tree_attention and the GDN layer's compute run with the GIL released and
+// a call from a second thread meanwhile (an append moving the page table, a commit moving the
+// state) corrupted what they read. A second thread gets EngineBusyError.
+struct PyKVSequence : KVSequence {
+  using KVSequence::KVSequence;
+  Exclusive exclusive;
+};
+struct PyGDNLayer : GDNLayer {
+  using GDNLayer::GDNLayer;
+  Exclusive exclusive;
+};
+constexpr const char* kSeqBusy =
+    "KVSequence is in use by another thread: it runs one call at a time (give each thread its "
+    "own, or serialise the calls)";
+constexpr const char* kGdnBusy =
+    "GDNLayer is in use by another thread: it runs one call at a time (give each thread its "
+    "own, or serialise the calls)";
+
 // Tree k/v [N, Hkv, D] roundtripped through the pool's storage format.
 std::vector<float> roundtrip_rows(const float* x, size_t rows, int D, KVDtype dt) {
   std::vector<float> out(rows * D);
@@ -31,9 +51,10 @@ std::vector<float> roundtrip_rows(const float* x, size_t rows, int D, KVDtype dt
   return out;
 }
 
-py::array_t<float> tree_attention_py(KVSequence& seq, py::handle q_obj, py::handle k_obj,
+py::array_t<float> tree_attention_py(PyKVSequence& seq, py::handle q_obj, py::handle k_obj,
                                      py::handle v_obj, py::handle parents_obj, int layer,
                                      int split, int threads) {
+  Exclusive::Use use(seq.exclusive, kSeqBusy);  // the kernel reads its pages without the GIL
   KVPagePool& pool = seq.pool();
   const int Hkv = pool.n_kv_heads(), D = pool.head_dim();
   std::vector<int> parents = as_ints(parents_obj, "parents");
@@ -322,19 +343,35 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("page_size", &KVPagePool::page_size)
       .def_property_readonly("bytes", &KVPagePool::bytes);
 
-  py::class_<KVSequence>(m, "KVSequence")
+  py::class_<PyKVSequence>(m, "KVSequence")
       .def(py::init([](std::shared_ptr<KVPagePool> pool) {
-             return std::make_unique<KVSequence>(std::move(pool));
+             return std::make_unique<PyKVSequence>(std::move(pool));
            }),
            py::arg("pool"))
-      .def_property_readonly("length", &KVSequence::length)
-      .def_property_readonly("page_table", &KVSequence::page_table)
-      .def("append", &append_py, py::arg("k"), py::arg("v"))
-      .def("read", &read_py, py::arg("layer") = 0, "Dequantized (k, v) [P, Hkv, D].")
-      .def("truncate", &KVSequence::truncate)
-      .def("append_nodes", [](KVSequence& seq, py::handle k, py::handle v, py::handle parents_obj,
+      .def_property_readonly("length", [](const PyKVSequence& seq) {
+        Exclusive::Use use(seq.exclusive, kSeqBusy);
+        return seq.length();
+      })
+      .def_property_readonly("page_table", [](const PyKVSequence& seq) {
+        Exclusive::Use use(seq.exclusive, kSeqBusy);
+        return seq.page_table();
+      })
+      .def("append", [](PyKVSequence& seq, py::handle k, py::handle v) {
+        Exclusive::Use use(seq.exclusive, kSeqBusy);
+        append_py(seq, k, v);
+      }, py::arg("k"), py::arg("v"))
+      .def("read", [](const PyKVSequence& seq, int layer) {
+        Exclusive::Use use(seq.exclusive, kSeqBusy);
+        return read_py(seq, layer);
+      }, py::arg("layer") = 0, "Dequantized (k, v) [P, Hkv, D].")
+      .def("truncate", [](PyKVSequence& seq, int n) {
+        Exclusive::Use use(seq.exclusive, kSeqBusy);
+        seq.truncate(n);
+      })
+      .def("append_nodes", [](PyKVSequence& seq, py::handle k, py::handle v, py::handle parents_obj,
                               py::handle path_obj) {
              // Commit tree nodes `path` (root first) of a single-layer pool.
+             Exclusive::Use use(seq.exclusive, kSeqBusy);
              std::vector<int> parents = as_ints(parents_obj, "parents");
              check_parents(parents.data(), int(parents.size()));
              std::vector<int> path = as_ints(path_obj, "path");
@@ -356,19 +393,20 @@ PYBIND11_MODULE(_core, m) {
         py::arg("threads") = 0,
         "q [N, Hq, D] attends to the committed positions of seq and to its tree ancestors.");
 
-  py::class_<GDNLayer>(m, "GDNLayer")
+  py::class_<PyGDNLayer>(m, "GDNLayer")
       .def(py::init([](int hk, int hv, int dk, int dv, py::handle conv_w, const std::string& order,
                        int max_pending) {
              F32 w = as_f32(conv_w, "conv_weight", {-1, -1});
              GDNDims d = make_dims(hk, hv, dk, dv, int(w.shape(1)), order);
              SW_CHECK(w.shape(0) == d.channels(), "conv_weight has ", w.shape(0),
                       " channels, expected 2*Hk*dk + Hv*dv = ", d.channels());
-             return std::make_unique<GDNLayer>(d, w.data(), max_pending);
+             return std::make_unique<PyGDNLayer>(d, w.data(), max_pending);
            }),
            py::arg("hk"), py::arg("hv"), py::arg("dk"), py::arg("dv"), py::arg("conv_weight"),
            py::arg("head_order") = "grouped", py::arg("max_pending") = 8)
-      .def("verify", [](GDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
+      .def("verify", [](PyGDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
                         py::handle parents_obj, int threads) {
+             Exclusive::Use use(L.exclusive, kGdnBusy);
              const GDNDims& d = L.dims();
              std::vector<int> parents = as_ints(parents_obj, "parents");
              const int n = int(parents.size());
@@ -382,8 +420,9 @@ PYBIND11_MODULE(_core, m) {
              return out;
            },
            py::arg("x"), py::arg("g"), py::arg("beta"), py::arg("parents"), py::arg("threads") = 0)
-      .def("prefill", [](GDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
+      .def("prefill", [](PyGDNLayer& L, py::handle x_obj, py::handle g_obj, py::handle b_obj,
                          int threads) {
+             Exclusive::Use use(L.exclusive, kGdnBusy);
              const GDNDims& d = L.dims();
              F32 x = as_f32(x_obj, "x", {-1, d.channels()});
              const int n = int(x.shape(0));
@@ -396,22 +435,31 @@ PYBIND11_MODULE(_core, m) {
              return out;
            },
            py::arg("x"), py::arg("g"), py::arg("beta"), py::arg("threads") = 0)
-      .def("commit", [](GDNLayer& L, py::handle path_obj, int threads) {
+      .def("commit", [](PyGDNLayer& L, py::handle path_obj, int threads) {
+             Exclusive::Use use(L.exclusive, kGdnBusy);
              std::vector<int> path = as_ints(path_obj, "path");
              py::gil_scoped_release release;
              L.commit(path, threads);
            },
            py::arg("path"), py::arg("threads") = 0)
-      .def("reset", &GDNLayer::reset)
-      .def_property_readonly("n_pending", &GDNLayer::n_pending)
-      .def("folded_state", [](const GDNLayer& L) {
+      .def("reset", [](PyGDNLayer& L) {
+        Exclusive::Use use(L.exclusive, kGdnBusy);
+        L.reset();
+      })
+      .def_property_readonly("n_pending", [](const PyGDNLayer& L) {
+        Exclusive::Use use(L.exclusive, kGdnBusy);
+        return L.n_pending();
+      })
+      .def("folded_state", [](const PyGDNLayer& L) {
+             Exclusive::Use use(L.exclusive, kGdnBusy);
              const GDNDims& d = L.dims();
              std::vector<float> s = L.folded_state(0);
              py::array_t<float> out({d.hv, d.dk, d.dv});
              std::copy(s.begin(), s.end(), out.mutable_data());
              return out;
            })
-      .def_property_readonly("window", [](const GDNLayer& L) {
+      .def_property_readonly("window", [](const PyGDNLayer& L) {
+        Exclusive::Use use(L.exclusive, kGdnBusy);
         const GDNDims& d = L.dims();
         py::array_t<float> out({d.conv_k - 1, d.channels()});
         std::copy(L.window().begin(), L.window().end(), out.mutable_data());

@@ -117,15 +117,24 @@ using sapwood::InputError;
 using sapwood::cat;
 namespace gpu = sapwood::gpu;
 
-// One device per name, alive across calls (a real device keeps its library and pipelines).
-gpu::Device& device(const std::string& name) {
+// One device per name, alive across calls (a real device keeps its library and pipelines),
+// with a lock that each call holds while it runs: gpu_run releases the GIL, and two threads'
+// calls on one device raced on its pipeline cache and its one queue (wait() would wait for
+// the other's work too). Calls are independent, so a second one waits its turn.
+struct SharedDevice {
+  std::unique_ptr<gpu::Device> dev;
+  std::mutex run;
+};
+
+SharedDevice& device(const std::string& name) {
   static std::mutex m;
-  static std::map<std::string, std::unique_ptr<gpu::Device>> devices;
+  static std::map<std::string, std::unique_ptr<SharedDevice>> devices;
   std::lock_guard<std::mutex> lock(m);
   auto& d = devices[name];
   if (!d) {
     try {
-      d = gpu::make_device(name);
+      d = std::make_unique<SharedDevice>();
+      d->dev = gpu::make_device(name);
     } catch (const std::runtime_error& e) {
       devices.erase(name);
       throw InputError(e.what());
@@ -145,7 +154,15 @@ struct Buffers {
 
 void gpu_run(const std::string& dev_name, const std::string& kernel, py::list args, std::vector<int64_t> groups,
              int threads, std::vector<int64_t> threadgroup_bytes) {
-  gpu::Device& dev = device(dev_name);
+  SharedDevice& shared = device(dev_name);
+  // taken without the GIL (a thread holding the GIL would stall the one running, which needs
+  // it to return), and held until this call's buffers are released
+  std::unique_lock<std::mutex> turn(shared.run, std::defer_lock);
+  {
+    py::gil_scoped_release release;
+    turn.lock();
+  }
+  gpu::Device& dev = *shared.dev;
   SW_CHECK(!groups.empty() && groups.size() <= 3, kernel, ": groups must have 1 to 3 entries, got ", groups.size());
   gpu::Launch l;
   for (size_t i = 0; i < groups.size(); ++i) {

@@ -20,6 +20,7 @@
 #include "bindings_util.h"
 #include "common.h"
 #include "engine.h"
+#include "exclusive.h"
 #include "tree.h"
 
 namespace py = pybind11;
@@ -41,6 +42,10 @@ class BackendOps {
   Backend& be() { return *be_; }
   const ModelDims& dims() const { return d_; }
   std::vector<int> tape_parents;  // the last tree forward's (empty: nothing to commit)
+  // Held by every op (exclusive.h): the ops run with the GIL, but converting an argument can
+  // run Python code and let a second thread in, whose op would move the scratch buffers and
+  // the state this one is using.
+  Exclusive exclusive;
 
   // A matrix of the model by checkpoint name ("model.layers.{l}.linear_attn.in_proj_ba" is the
   // fused b|a matrix the loader builds).
@@ -111,6 +116,13 @@ class BackendOps {
   std::unique_ptr<Backend> be_;
 };
 
+constexpr const char* kOpsBusy =
+    "BackendOps is in use by another thread: it runs one op at a time (give each thread its "
+    "own, or serialise the calls)";
+constexpr const char* kOpsReentered =
+    "BackendOps is in use: an op was called from inside another (an argument's conversion "
+    "ran Python code that called it); its ops do not nest";
+
 size_t rows_of(const F32& x) { return x.ndim() ? size_t(x.shape(0)) : 0; }
 
 py::array_t<float> shaped(std::vector<float>&& v, const F32& like) {
@@ -139,8 +151,12 @@ void bind_backend_ops(py::module_& m) {
            py::arg("dims"), py::arg("weights"), py::arg("weights_format"), py::arg("backend"),
            py::arg("max_context") = 256)
       .def_property_readonly("backend", [](BackendOps& o) { return o.be().name(); })
-      .def_property_readonly("length", [](BackendOps& o) { return o.be().length(); })
+      .def_property_readonly("length", [](BackendOps& o) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
+        return o.be().length();
+      })
       .def("embed", [](BackendOps& o, py::handle tokens) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         const std::vector<int> t = as_ints(tokens, "tokens");
         const int n = int(t.size()), H = o.dims().hidden;
         Act x = o.be().scratch(B::kX, size_t(n) * H);
@@ -148,6 +164,7 @@ void bind_backend_ops(py::module_& m) {
         return to_array(o.get(x, size_t(n) * H), n, H);
       }, py::arg("tokens"))
       .def("rms_norm", [](BackendOps& o, py::handle x_obj, const std::string& weight) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         const std::vector<float>& w = o.vector(weight);
         F32 x = as_f32(x_obj, "x", {-1, py::ssize_t(w.size())});
         const int n = int(rows_of(x)), dim = int(w.size());
@@ -156,18 +173,21 @@ void bind_backend_ops(py::module_& m) {
         return shaped(o.get(out, x.size()), x);
       }, py::arg("x"), py::arg("weight"))
       .def("add", [](BackendOps& o, py::handle x_obj, py::handle y_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1}), y = as_f32(y_obj, "y", {x.shape(0)});
         Act a = o.put(B::kX, x.data(), x.size()), b = o.put(B::kMix, y.data(), y.size());
         o.be().add(a, b, x.size());
         return shaped(o.get(a, x.size()), x);
       }, py::arg("x"), py::arg("y"), "x + y")
       .def("copy", [](BackendOps& o, py::handle x_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1});
         Act a = o.put(B::kX, x.data(), x.size()), out = o.be().scratch(B::kMix, x.size());
         o.be().copy(out, a, x.size());
         return shaped(o.get(out, x.size()), x);
       }, py::arg("x"), "a copy through the backend's device copy")
       .def("silu_mul", [](BackendOps& o, py::handle x_obj, py::handle u_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1}), u = as_f32(u_obj, "u", {x.shape(0)});
         Act a = o.put(B::kGate, x.data(), x.size()), b = o.put(B::kUp, u.data(), u.size());
         Act out = o.be().scratch(B::kMix, x.size());
@@ -175,6 +195,7 @@ void bind_backend_ops(py::module_& m) {
         return shaped(o.get(out, x.size()), x);
       }, py::arg("x"), py::arg("u"), "silu(x) * u")
       .def("sigmoid_mul", [](BackendOps& o, py::handle x_obj, py::handle u_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1}), u = as_f32(u_obj, "u", {x.shape(0)});
         Act a = o.put(B::kGate, x.data(), x.size()), b = o.put(B::kUp, u.data(), u.size());
         Act out = o.be().scratch(B::kMix, x.size());
@@ -182,6 +203,7 @@ void bind_backend_ops(py::module_& m) {
         return shaped(o.get(out, x.size()), x);
       }, py::arg("x"), py::arg("u"), "sigmoid(x) * u")
       .def("split_q_gate", [](BackendOps& o, py::handle qg_obj, int heads, int dim) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         SW_CHECK(heads > 0 && dim > 0, "heads and dim must be positive");
         F32 qg = as_f32(qg_obj, "qg", {-1, py::ssize_t(heads) * 2 * dim});
         const int n = int(rows_of(qg));
@@ -193,6 +215,7 @@ void bind_backend_ops(py::module_& m) {
                               to_array(o.get(g, half), n, py::ssize_t(heads) * dim));
       }, py::arg("qg"), py::arg("heads"), py::arg("dim"), "(q, gate) [n, heads * dim]")
       .def("rope", [](BackendOps& o, py::handle x_obj, int rot, py::handle cs_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1, -1, -1});
         const int n = int(x.shape(0)), heads = int(x.shape(1)), dim = int(x.shape(2));
         SW_CHECK(rot > 0 && rot % 2 == 0 && rot <= dim, "rot = ", rot, " must be even and in (0, ", dim, "]");
@@ -203,6 +226,7 @@ void bind_backend_ops(py::module_& m) {
       }, py::arg("x"), py::arg("rot"), py::arg("cs"),
          "rotate-half on the first rot dims of each head; cs [n, rot/2, (cos, sin)]")
       .def("gdn_gates", [](BackendOps& o, py::handle ba_obj, int layer) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         const std::string p = cat("model.layers.", layer, ".linear_attn.");
         const std::vector<float>& nea = o.vector(p + "A_log");
         const std::vector<float>& dtb = o.vector(p + "dt_bias");
@@ -216,6 +240,7 @@ void bind_backend_ops(py::module_& m) {
                               to_array(o.get(g, size_t(n) * hv), n, hv));
       }, py::arg("ba"), py::arg("layer"), "(beta, g) [n, hv] with the layer's A_log and dt_bias")
       .def("matmul", [](BackendOps& o, py::handle x_obj, const std::vector<std::string>& names) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         SW_CHECK(!names.empty() && names.size() <= 3, "1 to 3 matrices share x, got ", names.size());
         std::vector<const QMatrix*> ms;
         for (const std::string& nm : names) ms.push_back(&o.matrix(nm));
@@ -238,6 +263,7 @@ void bind_backend_ops(py::module_& m) {
         return out;
       }, py::arg("x"), py::arg("names"), "[x W^T for each named W], in one call sharing x")
       .def("forward", [](BackendOps& o, int n, py::object attn, py::object gdn, py::handle parents_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         // attn: {layer a: (q, k, v)}, gdn: {layer g: (qkv, g, beta)} for this forward's rows
         const ModelDims& d = o.dims();
         const std::vector<int> parents = as_ints(parents_obj, "parents");
@@ -294,6 +320,7 @@ void bind_backend_ops(py::module_& m) {
          "returns ({a: out}, {g: out}). Every layer of the model takes part. parents empty: a prefill chunk, committed as it goes; else a tree "
          "verified against the committed state (commit(path) next).")
       .def("commit", [](BackendOps& o, py::handle path_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         const std::vector<int> path = as_ints(path_obj, "path");
         SW_CHECK(!o.tape_parents.empty(), "commit without a preceding tree forward");
         check_path(o.tape_parents.data(), int(o.tape_parents.size()), path);

@@ -72,20 +72,14 @@ uint64_t fingerprint(const ModelDims& d, const WeightLoader& t, WFormat wfmt, KV
 
 }  // namespace
 
-Engine::Use::Use(const Engine& e) : e_(e) {
-  const std::thread::id me = std::this_thread::get_id();
-  if (e.owner_.load(std::memory_order_acquire) == me) return;  // nested on this thread
-  std::thread::id none;
-  if (!e.owner_.compare_exchange_strong(none, me, std::memory_order_acq_rel))
-    throw EngineBusy("engine is in use by another thread: an Engine runs one call at a time "
-                     "(give each thread its own Engine, or serialise the calls)");
-  outer_ = true;
+Engine::Use::Use(const Engine& e)
+    : use_(e.exclusive_, "engine is in use by another thread: an Engine runs one call at a time "
+                         "(give each thread its own Engine, or serialise the calls)") {
+  if (!use_.outer()) return;  // nested on this thread: the device lock is held already
   if (std::recursive_mutex* m = e.be_->device_lock()) device_ = std::unique_lock<std::recursive_mutex>(*m);
 }
 
-Engine::Use::~Use() {
-  if (outer_) e_.owner_.store(std::thread::id(), std::memory_order_release);
-}
+Engine::Use::~Use() = default;
 
 namespace {
 

@@ -9,16 +9,11 @@
 #include <vector>
 
 #include "backend.h"
+#include "exclusive.h"
 #include "model.h"
 #include "thread_pool.h"
 
 namespace sapwood {
-
-// A second thread calling into an Engine while one call runs: the engine holds one sequence's
-// state, and two calls interleaved would corrupt it. Becomes a Python RuntimeError.
-struct EngineBusy : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // A drafter's pick from a row of logits [V] for the token at `position`: the argmax (ties:
 // lower id) at temperature 0, else the sampler's keyed Gumbel-max sample among the `top` best.
@@ -150,11 +145,10 @@ class Engine {
     Use& operator=(const Use&) = delete;
 
    private:
-    const Engine& e_;
-    bool outer_ = false;
+    Exclusive::Use use_;  // EngineBusy (exclusive.h): the engine holds one sequence's state
     std::unique_lock<std::recursive_mutex> device_;  // Backend::device_lock(), when it has one
   };
-  mutable std::atomic<std::thread::id> owner_{};
+  Exclusive exclusive_;
 
   void check_tokens(const std::vector<int>& tokens) const;
   // verify()'s checks of a tree and its layout at the current position

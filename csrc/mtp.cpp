@@ -101,6 +101,7 @@ void MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_f
 
 std::vector<float> MtpHead::prefill(const std::vector<float>& hidden, const std::vector<int>& tokens,
                                     bool all_rows, std::vector<float>* out_hidden) {
+  Exclusive::Use use(exclusive_, kBusy);
   check_rows(hidden, tokens);
   const int n = int(tokens.size());
   SW_CHECK(position() + n <= max_context_, "MTP head: context full: ", position(), " committed + ",
@@ -113,6 +114,7 @@ std::vector<float> MtpHead::prefill(const std::vector<float>& hidden, const std:
 void MtpHead::draft(const std::vector<float>& hidden, const std::vector<int>& tokens, int rows,
                     int k, double temperature, uint64_t seed, uint64_t key_position,
                     std::vector<int>* ids, std::vector<double>* logp, std::vector<float>* logits) {
+  Exclusive::Use use(exclusive_, kBusy);
   check_rows(hidden, tokens);
   SW_CHECK(k >= 1, "MTP draft: k must be >= 1, got ", k);
   SW_CHECK(std::isfinite(temperature) && temperature >= 0.0, "MTP draft: temperature must be "

@@ -12,6 +12,12 @@
 // backend copies into its own buffers (Backend::add_weights). Its committed rows are the target's
 // committed positions: the caller hands it the target's hidden rows (Engine::take_hidden) and
 // the tokens after them as the target commits them; drafting rolls its own rows back.
+//
+// One call at a time (exclusive.h): a second thread gets EngineBusy, as on an Engine; several
+// threads corrupted the head's backend state and the heap (issue 50). What it reads of the
+// target engine (embedding table, LM head) is immutable once loaded, so the head and its
+// target run side by side on two threads; the drafter pairs them, and each guards its own
+// state.
 #pragma once
 #include <memory>
 #include <string>
@@ -19,6 +25,7 @@
 
 #include "backend.h"
 #include "engine.h"
+#include "exclusive.h"
 #include "model.h"
 
 namespace sapwood {
@@ -45,14 +52,25 @@ class MtpHead {
              double temperature, uint64_t seed, uint64_t key_position, std::vector<int>* ids,
              std::vector<double>* logp, std::vector<float>* logits = nullptr);
 
-  int position() const { return be_->length(); }
+  int position() const {
+    Exclusive::Use use(exclusive_, kBusy);
+    return be_->length();
+  }
   int max_context() const { return max_context_; }
   int hidden_size() const { return dims_.hidden; }
   int vocab_size() const { return dims_.vocab; }
-  void reset() { be_->reset(); }
+  void reset() {
+    Exclusive::Use use(exclusive_, kBusy);
+    be_->reset();
+  }
   size_t weight_bytes() const;
 
  private:
+  static constexpr const char* kBusy =
+      "MTP head is in use by another thread: an MtpHead runs one call at a time (give each "
+      "thread its own, e.g. Model.new_sequence(), or serialise the calls)";
+  Exclusive exclusive_;
+
   // One forward over rows committed as they go (positions from position()); logits of rows
   // [logit_from, n) appended to *logits, their output hidden rows to *out_hidden.
   void forward(const float* hidden, const int* tokens, int n, int logit_from,

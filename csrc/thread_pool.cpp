@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define SW_PAUSE() _mm_pause()
@@ -58,6 +60,23 @@ class Pool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return int(workers_.size()); }
+
+  // fork() (fork_prepare and after_fork_* below): the forking thread holds run_mu_ across the
+  // fork, so no region or background task starts, and waits for a running background task
+  // first: its engine's caller has gone on, and a child copying a half-folded GDN state would
+  // compute from it. Regions of other threads end by themselves; their engines stay claimed
+  // in the child (EngineBusy there), as their state is mid-call.
+  void lock_for_fork() {
+    run_mu_.lock();
+    wait_idle();
+  }
+  void unlock_after_fork() { run_mu_.unlock(); }
+  std::exception_ptr take_background_error() {  // the child's: no worker can hold mu_ now
+    std::exception_ptr e;
+    std::swap(e, bg_error_);
+    return e;
+  }
+  Pool* older_abandoned = nullptr;  // after_fork_child's list
 
   bool start_background(std::function<void()> fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
@@ -211,9 +230,57 @@ std::atomic<long long> g_min_parallel_work{1LL << 15};
 
 int hardware_threads() { return std::max(1u, std::thread::hardware_concurrency()); }
 
+// The pool, made at first use. A child of fork() has only the forking thread: the workers of
+// the pool it copied do not exist, so a region whose jobs a worker had taken, or a background
+// task (Engine::commit's fold, which no caller-side work stands in for), waited forever
+// (issue 50: generate() in a child never returned). The child abandons that pool (its mutexes
+// and threads are not safe to touch, let alone join) and makes a new one at its next region.
+std::mutex g_pool_mu;               // makes the pool; held across fork()
+std::atomic<Pool*> g_pool{nullptr};
+Pool* g_abandoned = nullptr;        // the child's copy of its parent's pool, never freed
+std::exception_ptr g_fork_error;    // a background error the abandoned pool held (g_pool_mu)
+std::atomic<bool> g_fork_error_set{false};
+
+void fork_prepare() {
+  g_pool_mu.lock();
+  if (Pool* p = g_pool.load()) p->lock_for_fork();
+}
+
+void after_fork_parent() {
+  if (Pool* p = g_pool.load()) p->unlock_after_fork();
+  g_pool_mu.unlock();
+}
+
+void after_fork_child() {
+  if (Pool* p = g_pool.exchange(nullptr)) {
+    g_fork_error = p->take_background_error();  // the fold's error, for the engine's next call
+    g_fork_error_set.store(bool(g_fork_error));
+    p->older_abandoned = g_abandoned;  // a grandchild's list: still referenced, so a leak
+    g_abandoned = p;                   // checker sees no leak
+  }
+  g_pool_mu.unlock();
+}
+
+// Joins the workers at exit, as the pool did when it was a static object.
+struct PoolOwner {
+  ~PoolOwner() {
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    delete g_pool.exchange(nullptr);
+  }
+} g_pool_owner;
+
 Pool& pool() {
-  static Pool p(std::max(0, hardware_threads() - 1));
-  return p;
+  if (Pool* p = g_pool.load(std::memory_order_acquire)) return *p;
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  Pool* p = g_pool.load(std::memory_order_relaxed);
+  if (!p) {
+    static const bool registered = pthread_atfork(fork_prepare, after_fork_parent,
+                                                  after_fork_child) == 0;
+    (void)registered;
+    p = new Pool(std::max(0, hardware_threads() - 1));
+    g_pool.store(p, std::memory_order_release);
+  }
+  return *p;
 }
 
 }  // namespace
@@ -229,7 +296,18 @@ long long min_parallel_work() { return g_min_parallel_work.load(std::memory_orde
 void set_min_parallel_work(long long work) { g_min_parallel_work.store(work < 0 ? 0 : work); }
 
 bool start_background(std::function<void()> fn) { return pool().start_background(std::move(fn)); }
-void wait_background() { pool().wait_background(); }
+void wait_background() {
+  pool().wait_background();
+  if (g_fork_error_set.load()) {  // only in a child whose parent forked past a failed task
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lk(g_pool_mu);
+      std::swap(e, g_fork_error);
+      g_fork_error_set.store(false);
+    }
+    if (e) std::rethrow_exception(e);
+  }
+}
 
 void parallel_for(int n, int threads, JobRef fn) {
   if (n <= 0) return;

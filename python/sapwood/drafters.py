@@ -9,10 +9,14 @@ anything with `draft(context, root, rows) -> Lattice` and `advance(committed)` f
 """
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
+
+from . import _core
 
 
 @dataclass
@@ -65,6 +69,37 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
 
+def _exclusive(method):
+    """One call at a time on a drafter with state (issue 50), as on the engines it drives: a
+    call from a second thread while one runs raises EngineBusyError at once. Its engine (or
+    head) would refuse the overlapping call anyway, but only after the drafter's own
+    bookkeeping (tokens synced, rows taken) had moved under the first caller. Nested calls on
+    the holding thread (draft -> sync -> reset) pass through."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        me = threading.get_ident()
+        if self._owner == me:
+            return method(self, *args, **kwargs)
+        if not self._busy.acquire(blocking=False):
+            raise _core.EngineBusyError(
+                f"{type(self).__name__} is in use by another thread: a drafter runs one call at "
+                "a time (give each thread its own, or serialise the calls)")
+        self._owner = me
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._owner = None
+            self._busy.release()
+    return guarded
+
+
+class _Exclusive:
+    """The state _exclusive reads; set before any guarded method runs."""
+
+    def __init__(self):
+        self._busy, self._owner = threading.Lock(), None
+
+
 class LookupDrafter:
     """Prompt lookup: match the last n tokens (n from `ngram_max` down to `ngram_min`) earlier
     in the context and propose what followed. Alternatives per row come from other matches,
@@ -112,7 +147,7 @@ class LookupDrafter:
         return lat
 
 
-class ModelDrafter:
+class ModelDrafter(_Exclusive):
     """A smaller model of the same family run by the same runtime. Its committed state follows
     the target's committed tokens; drafting never changes it (Engine.draft_candidates runs the
     chain and rolls back), so a rejected draft costs nothing to undo. When sampling, the chain
@@ -122,6 +157,7 @@ class ModelDrafter:
     costs no forward (Engine.keep_draft)."""
 
     def __init__(self, model, top_k: int = 4):
+        super().__init__()
         self.model, self.top_k = model, int(top_k)
         self.policy_key = ("model", id(model))  # Model.speculation_policy: one state per draft model
         self.engine = model.engine
@@ -135,6 +171,7 @@ class ModelDrafter:
         self.prompt_cache_len = 0
         self._resumed = 0  # resume(): context tokens the next sync counts as restored
 
+    @_exclusive
     def resume(self, snapshot) -> None:
         """Start from a snapshot of this draft's engine taken after the first
         snapshot.position tokens of the context to come (a served chat's earlier turn): the
@@ -143,14 +180,17 @@ class ModelDrafter:
         self._synced, self._pending = snapshot.position, []
         self._resumed = snapshot.position
 
+    @_exclusive
     def set_sampling(self, temperature: float, seed: int) -> None:
         """The request's sampling temperature and seed (0: greedy chain)."""
         self.temperature, self.seed = float(temperature), int(seed)
 
+    @_exclusive
     def reset(self) -> None:
         self.engine.reset()
         self._synced, self._pending, self._resumed = 0, [], 0
 
+    @_exclusive
     def sync(self, context: Sequence[int]) -> int:
         """Commit context tokens the draft has not seen (the prompt, or after a reset).
         Returns how many of them came from the prompt cache instead of a prefill."""
@@ -171,6 +211,7 @@ class ModelDrafter:
             self._synced += len(todo)
         return restored
 
+    @_exclusive
     def advance(self, committed) -> None:
         committed = [int(t) for t in committed]
         if committed:
@@ -187,6 +228,7 @@ class ModelDrafter:
                 self.engine.prefill(rest)
             self._synced += len(committed)
 
+    @_exclusive
     def draft(self, context, root, rows) -> Lattice:
         self.sync(context)
         rows = min(rows, self.engine.max_context - self.engine.position - len(self._pending) - 1)
@@ -201,7 +243,7 @@ class ModelDrafter:
         return Lattice(tokens=ids, logprobs=logp)
 
 
-class MtpDrafter:
+class MtpDrafter(_Exclusive):
     """The checkpoint's own multi-token-prediction head (Model.mtp, a _core.MtpHead; the math:
     reference/mtp.py). Its row j reads the target's final hidden state at position j and the
     token after it: the target engine keeps those rows from the prefill and verifies it runs
@@ -215,6 +257,7 @@ class MtpDrafter:
     there are worse. The output never depends on it (DESIGN.md "Exactness")."""
 
     def __init__(self, model, top_k: int = 4):
+        super().__init__()
         if model.mtp is None:
             raise ValueError(f"{model.path}: the checkpoint has no MTP head")
         self.head, self.engine, self.top_k = model.mtp, model.engine, int(top_k)
@@ -225,18 +268,22 @@ class MtpDrafter:
         self.engine.keep_hidden = True
         self.reset()
 
+    @_exclusive
     def set_sampling(self, temperature: float, seed: int) -> None:
         """The request's sampling temperature and seed (0: greedy chain)."""
         self.temperature, self.seed = float(temperature), int(seed)
 
+    @_exclusive
     def reset(self) -> None:
         self.head.reset()
         self._from = 0  # the target position of the head's next row
         self._rows = np.zeros((0, self.hidden_size), np.float32)  # target rows from _from on
 
+    @_exclusive
     def advance(self, committed) -> None:
         pass  # the target's rows arrive through the engine (take_hidden) when the head drafts
 
+    @_exclusive
     def draft(self, context, root, rows) -> Lattice:
         start, new = self.engine.take_hidden()
         if start == self._from + len(self._rows):

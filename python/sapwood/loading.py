@@ -284,14 +284,23 @@ def read_checkpoint(path) -> Checkpoint:
     tokenizer = None
     if (d / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
+
+        from . import tokenizing
+        tf = d / "tokenizer.json"
         try:
-            tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises its own Exception type
-            raise ValueError(f"{d / 'tokenizer.json'}: cannot be loaded: {e}") from None
-        n = tokenizer.get_vocab_size(with_added_tokens=True)
-        if n > cfg.vocab_size:  # ids past the embedding table would index out of bounds
-            raise ValueError(f"{d / 'tokenizer.json'}: {n} tokens, more than the model's "
-                             f"vocab_size={cfg.vocab_size}")
+            tokenizer = Tokenizer.from_file(str(tf))
+            vocab = tokenizer.get_vocab(with_added_tokens=True)
+        except BaseException as e:  # its own Exception type, or a Rust panic (tokenizing.py)
+            if not isinstance(e, Exception) and not tokenizing.is_panic(e):
+                raise
+            raise ValueError(f"{tf}: cannot be loaded: {tokenizing.describe(e)}") from None
+        # ids past the embedding table would index out of bounds: their count, and the largest
+        # (an added token may have any id)
+        top = max(vocab.values(), default=-1)
+        if len(vocab) > cfg.vocab_size or top >= cfg.vocab_size:
+            raise ValueError(f"{tf}: {len(vocab)} tokens, the largest id {top}, more than the "
+                             f"model's vocab_size={cfg.vocab_size}")
+        tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp)
 
 

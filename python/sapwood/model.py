@@ -98,10 +98,23 @@ class Model:
         """Token ids of `text`. Special tokens written in the text (e.g. from a chat template) are
         recognised either way; add_special_tokens only adds the tokenizer's post-processor
         tokens, which Qwen tokenizers do not have, so the default keeps the text as written."""
-        return self._tok().encode(text, add_special_tokens=add_special_tokens).ids
+        from .tokenizing import guarded
+
+        # a crafted tokenizer.json can make tokenizers panic on some text (tokenizing.py):
+        # a ValueError naming the file, not a BaseException past every `except Exception`
+        return guarded(self.tokenizer_file, "encoding a text", self._tok().encode, text,
+                       add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        return self._tok().decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        from .tokenizing import guarded
+
+        return guarded(self.tokenizer_file, "decoding token ids", self._tok().decode,
+                       [int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @property
+    def tokenizer_file(self):
+        """The tokenizer's file, as errors name it."""
+        return "tokenizer.json" if self.path is None else self.path / "tokenizer.json"
 
     def eos_ids(self) -> tuple:
         eos = self.generation_config.get("eos_token_id", self.config.eos_token_ids)
@@ -258,7 +271,7 @@ class Model:
 
         def run():
             out, sent = [], 0  # out[:sent] streamed
-            text = IncrementalText(self.tokenizer, stops) if stops else None
+            text = IncrementalText(self.tokenizer, stops, self.tokenizer_file) if stops else None
             try:
                 for tok in dec.run(ids, self._cached_prefill if cache_prompt else None):
                     out.append(tok)

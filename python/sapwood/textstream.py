@@ -14,10 +14,13 @@ so a stream never yields a token that the result then withdraws.
 """
 from __future__ import annotations
 
+from .tokenizing import guarded
+
 
 class IncrementalText:
-    def __init__(self, tokenizer, stops=()):
+    def __init__(self, tokenizer, stops=(), path="tokenizer.json"):
         self.tokenizer = tokenizer
+        self.path = path  # the tokenizer's file, named by an error (tokenizing.guarded)
         self.stops = [s for s in stops]
         self.ids: list[int] = []
         self.text = ""
@@ -26,7 +29,8 @@ class IncrementalText:
         self.stop_at = -1          # where the first stop string starts in text (-1: none yet)
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return guarded(self.path, "decoding token ids", self.tokenizer.decode, ids,
+                       skip_special_tokens=False)
 
     def push(self, tok: int) -> str:
         """Add a token; returns the text it completed ("" while a character is unfinished)."""
