@@ -69,7 +69,8 @@ def cmd_generate(a) -> int:
     out.flush()
     from .textstream import IncrementalText
 
-    shown = IncrementalText(model.tokenizer)  # holds back a partial UTF-8 sequence
+    # holds back a partial UTF-8 sequence
+    shown = IncrementalText(model.tokenizer, path=model.tokenizer_file)
     gen = model.generate(prompt, stream=True, **kw)
     try:
         while True:
@@ -139,7 +140,7 @@ def cmd_serve(a) -> int:
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
-                      batch_verify=a.batch_verify)
+                      batch_verify=a.batch_verify, max_body_mb=a.max_body_mb)
     if a.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication", file=sys.stderr)
@@ -172,7 +173,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="byte budget of the turn-end snapshots that let a chat's next turn skip "
                         "its prefill (0: off)")
     p.add_argument("--queue", type=int, default=64,
-                   help="choices that may wait for a slot; past that requests get 503")
+                   help="choices that may wait for a slot; past that requests get 503 (a "
+                        "request with more choices than the queue and the slots hold: 400)")
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="the largest request body accepted, in MiB; a larger one gets 413 "
+                        "(default: 16)")
     p.add_argument("--backend", default="cpu", help="engine backend (passed to sapwood.load)")
     p.add_argument("--weights", default="q8", choices=["f32", "bf16", "q8", "q4"])
     p.add_argument("--kv", default="int8", choices=["int8", "f32"])

@@ -58,6 +58,23 @@ def keyed_uniform(seed, position, ids) -> np.ndarray:
     return ((h >> _S11).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
+# Ranges of the numbers a request may set. Logits reach the sampler as finite float32 of magnitude
+# at most 1e30 (loading refuses an LM head whose weights could give more: loading.MAX_LOGIT_BOUND),
+# and apply_penalties works in float32 (max 3.4e38). A repetition penalty r divides a positive
+# logit or multiplies a negative one, so within [0.01, 100] a penalised logit stays below 1e32;
+# presence and frequency penalties within OpenAI's [-2, 2] move a logit by at most
+# 2 + 2 * count <= 2 + 2 * 2**24 (the context's limit). Every penalised row is therefore finite:
+# an unbounded penalty (r = 1e-300 passed the old "> 0") turned seen tokens' logits into +inf and
+# made every pick raise. Temperature needs no upper bound: _scaled shifts each row by its max
+# before dividing, so any finite T >= 0 gives finite or -inf (probability 0) scores, never +inf
+# or NaN. top_k at most 2**31 - 1: token ids are int32 in the engine, so no vocabulary is larger
+# (a k at or past the vocabulary's size keeps every id).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_RANGE = (-2.0, 2.0)   # presence_penalty, frequency_penalty
+TOP_K_MAX = 2 ** 31 - 1
+SEED_LIMIT = 2 ** 64
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -79,16 +96,24 @@ class SamplingParams:
         t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
         if t < 0:
             raise ValueError(f"temperature={t!r}: must be >= 0 (0 is greedy)")
-        if not isinstance(k, (int, np.integer)) or k < 0:
-            raise ValueError(f"top_k={k!r}: must be an int >= 0 (0 disables)")
+        if not isinstance(k, (int, np.integer)) or not 0 <= k <= TOP_K_MAX:
+            raise ValueError(f"top_k={k!r}: must be an int in [0, {TOP_K_MAX}] (0 disables)")
         if not 0 < p <= 1:
             raise ValueError(f"top_p={p!r}: must be in (0, 1]")
         if not 0 <= m <= 1:
             raise ValueError(f"min_p={m!r}: must be in [0, 1]")
-        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2 ** 64:
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**64)")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be > 0")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r}: must be in "
+                             f"[{lo}, {hi}] (1 is off; outside it penalised logits could "
+                             "overflow)")
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise ValueError(f"{name}={v!r}: must be in [{lo}, {hi}] (0 is off)")
         return self
 
     @property

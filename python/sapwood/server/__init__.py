@@ -23,6 +23,7 @@ def _require_extra() -> None:
 
 _require_extra()
 
+from .admit import DEFAULT_MAX_BODY_MB  # noqa: E402
 from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
 from .batching import VerifyBatcher  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
@@ -42,7 +43,8 @@ def _slot_threads(threads, parallel: int):
 def build(model="default", *, drafter=None, parallel: int = 1, max_context: int = 4096,
           cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
           backend: str = "cpu", threads=None, model_id: str | None = None,
-          loader=None, batch_verify: bool = False) -> ServerState:
+          loader=None, batch_verify: bool = False,
+          max_body_mb: float = DEFAULT_MAX_BODY_MB) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -51,6 +53,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     model's). loader(i) -> Model replaces that for slot i (tests).
     batch_verify: the decoding slots' verify rounds run in one forward (batching.py); off by
     default: on the 2-core CPU hosts measured it did not raise tokens/s (docs/server.md).
+    max_body_mb: the largest request body accepted (MiB); a larger one gets 413 before it is
+    read (docs/server.md).
     """
     import sapwood
 
@@ -60,6 +64,9 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
         raise ValueError(f"cache_mb={cache_mb!r}: must be >= 0 (0 turns snapshots off)")
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue={max_queue!r}: must be an int >= 0")
+    if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, (int, float)) \
+            or not 0 < max_body_mb < 2 ** 20:
+        raise ValueError(f"max_body_mb={max_body_mb!r}: must be a number of MiB in (0, 2**20)")
     n_threads = _slot_threads(threads, parallel)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
     base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
@@ -99,7 +106,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     first = scheduler.slots[0].model
     name = model_id or (model if model == "default" else
                         (first.path.name if first.path is not None else "model"))
-    st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer))
+    st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer),
+                     max_body_bytes=max(1, int(max_body_mb * 2 ** 20)))
     done.append(lambda slot, r: st.metrics.choice_done(r))
     return st
 
@@ -123,7 +131,7 @@ def run(st: ServerState, host: str = "127.0.0.1", port: int = 8080, log_level: s
     try:
         server.run()
     finally:
-        st.scheduler.close()
+        st.close()
 
 
 class Running:
@@ -155,7 +163,7 @@ class Running:
     def close(self) -> None:
         self._uv.should_exit = True
         self._thread.join(timeout=30)
-        self.st.scheduler.close()
+        self.st.close()
 
     def __enter__(self):
         return self

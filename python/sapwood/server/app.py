@@ -11,15 +11,16 @@ import json
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from ..sampling import SamplingParams
+from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import SEED_LIMIT, ApiError, ChatRequest, CompletionRequest, validation_error
-from .slots import ChoiceResult, Delta, Job, QueueFull
+from .protocol import SEED_LIMIT, ApiError
+from .slots import ChoiceError, ChoiceResult, Delta, Job, QueueFull, TooManyChoices
+from .text import chars_per_token_bound
 
 # Used when a checkpoint has none (the bundled default): ChatML, the format of Qwen's own.
 FALLBACK_CHAT_TEMPLATE = (
@@ -37,11 +38,17 @@ class ServerState:
     """What the endpoints share: the scheduler, one model for tokenizing (slot 0's; its
     tokenizer and template, never its engine), defaults, metrics."""
 
-    def __init__(self, scheduler, cache, model_id: str, token_bytes=None):
+    def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
+                 max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20)):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
         self.model = scheduler.slots[0].model
         self.max_context = self.model.max_context
         self.token_bytes = token_bytes
+        self.max_body_bytes = int(max_body_bytes)
+        # characters one token covers at most (None: no such bound): admit.check_prompt_chars
+        self.chars_per_token = chars_per_token_bound(self.model.tokenizer)
+        # admission's parsing, templates and tokenizing, off the event loop (admit.py)
+        self.executor = ThreadPoolExecutor(thread_name_prefix="sapwood-admit")
         self.metrics = Metrics(scheduler, cache)
         self.created = int(time.time())
         gen = self.model.generation_config
@@ -50,6 +57,10 @@ class ServerState:
         self.defaults = dict(temperature=float(gen.get("temperature", 1.0)) if sampled else 0.0,
                              top_p=float(gen.get("top_p", 1.0)) if sampled else 1.0,
                              top_k=int(gen.get("top_k", 0) or 0) if sampled else 0)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     def token_str(self, tok: int) -> str:
         """A token's text; one that alone is an incomplete UTF-8 sequence as its bytes,
@@ -79,59 +90,63 @@ def _sse(obj) -> str:
 class _Call:
     """One API request in flight: its jobs, their events, the response pieces."""
 
-    def __init__(self, st: ServerState, chat: bool, req, prompts: list, limit: int | None,
-                 logprobs: int | None):
-        self.st, self.chat, self.req = st, chat, req
+    def __init__(self, st: ServerState, chat: bool, adm: Admitted):
+        self.st, self.chat, self.req = st, chat, adm.req
+        req = adm.req
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         opts = req.sapwood
         seed = req.seed if req.seed is not None else secrets.randbits(64)
-        d = st.defaults
-        self.prompts = prompts
+        self.prompts = adm.prompts
         self.jobs = []
-        for i, ids in enumerate(prompts):
-            room = st.max_context - len(ids)
-            max_tokens = limit if limit is not None else (16 if not chat else room)
-            if max_tokens > room:
-                raise ApiError(400, f"this model's context holds {st.max_context} tokens; the "
-                                    f"prompt has {len(ids)} and max_tokens asks for {max_tokens} "
-                                    f"more (at most {room})", "max_tokens",
-                               code="context_length_exceeded")
+        for i, (ids, max_tokens) in enumerate(zip(adm.prompts, adm.max_tokens)):
             for j in range(req.n):
-                params = SamplingParams(
-                    temperature=d["temperature"] if req.temperature is None else req.temperature,
-                    top_p=d["top_p"] if req.top_p is None else req.top_p,
-                    top_k=d["top_k"] if req.top_k is None else max(req.top_k, 0),
-                    min_p=0.0 if req.min_p is None else req.min_p,
-                    seed=choice_seed(seed, j), repetition_penalty=req.repetition_penalty,
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty)
+                params = sampling_params(st, req, choice_seed(seed, j))
                 self.jobs.append(Job(i * req.n + j, list(ids), max_tokens, params, opts.verify,
-                                     opts.width, opts.drafter, req.stops(), logprobs, self._emit,
-                                     stream=req.stream))
+                                     opts.width, opts.drafter, req.stops(), adm.logprobs,
+                                     self._emit, stream=req.stream))
         self.results: dict[int, ChoiceResult] = {}
-        self.error: Exception | None = None
+        self.ended: set[int] = set()   # choices that reported (result, error or cancelled)
+        self.error: BaseException | None = None
 
     def _emit(self, kind, payload) -> None:  # on a slot's worker thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
     def cancel(self) -> None:
-        for j in self.jobs:
-            j.cancelled.set()
+        self.st.scheduler.cancel(self.jobs)
 
     @property
     def pending(self) -> int:
-        return len(self.jobs) - len(self.results) - (self.error is not None)
+        """Choices yet to report: every one ends in a result, an error or a cancellation."""
+        return len(self.jobs) - len(self.ended)
 
     def take(self, kind, payload):
-        """Book an event; the error an 'error' event carries is kept and the rest cancelled."""
+        """Book an event; the first error is kept (the request's answer) and the rest of its
+        choices are cancelled."""
         if kind == "done":
             self.results[payload.index] = payload
+            self.ended.add(payload.index)
         elif kind == "error":
-            self.error = payload
-            self.cancel()
+            e: ChoiceError = payload
+            self.ended.add(e.index)
+            if self.error is None:
+                self.error = e.error
+                self.cancel()
+        elif kind == "cancelled":
+            self.ended.add(payload)
+
+    def failure(self) -> ApiError | None:
+        """The request's error: a choice's, or choices that ended without a result (cancelled
+        before they ran: only a server shutting down does that while the client waits)."""
+        if self.error is not None:
+            return api_error(self.error)
+        missing = sorted(set(range(len(self.jobs))) - set(self.results))
+        if missing:
+            return ApiError(503, f"choice {missing[0]} was cancelled before it ran (the server "
+                                 "is shutting down)", type="server_error", code="cancelled")
+        return None
 
     # -- response pieces -------------------------------------------------------------------
     def logprobs_obj(self, tokens, logprobs, ends, start: int = 0):
@@ -212,6 +227,14 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def api_error(e: BaseException) -> ApiError:
+    """A choice's error as the client sees it. Every value was checked at admission, so what
+    fails in a slot is the server's own failure: 500 (an ApiError keeps its status)."""
+    if isinstance(e, ApiError):
+        return e
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
 def create_app(st: ServerState) -> FastAPI:
     app = FastAPI(title="sapwood", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.sapwood = st
@@ -254,7 +277,17 @@ def create_app(st: ServerState) -> FastAPI:
         endpoint = "chat" if chat else "completions"
         t0 = time.perf_counter()
         try:
-            call = _admit(st, await request.body(), chat)
+            raw = await read_body(request, st.max_body_bytes)
+            adm = await asyncio.get_running_loop().run_in_executor(st.executor, prepare, st, raw,
+                                                                   chat)
+            call = _Call(st, chat, adm)
+            try:
+                st.scheduler.submit(call.jobs)
+            except TooManyChoices as e:  # prepare checked it; the scheduler has the last word
+                raise ApiError(400, str(e), "n", code="too_many_choices") from None
+            except QueueFull as e:
+                raise ApiError(503, f"the server is busy: {e}", type="server_error",
+                               code="queue_full") from None
         except ApiError as e:
             m.requests.labels(endpoint, str(e.status)).inc()
             return _error_response(e)
@@ -263,7 +296,7 @@ def create_app(st: ServerState) -> FastAPI:
                                      headers={"Cache-Control": "no-cache"})
         try:
             checked = time.monotonic()
-            while call.pending:
+            while call.pending and call.error is None:  # the first error is the answer
                 try:
                     kind, payload = await asyncio.wait_for(call.events.get(), timeout=0.1)
                     call.take(kind, payload)
@@ -278,19 +311,13 @@ def create_app(st: ServerState) -> FastAPI:
         except asyncio.CancelledError:
             call.cancel()
             raise
-        if call.error is not None:
-            return _failed(call, endpoint)
+        err = call.failure()
+        if err is not None:
+            m.requests.labels(endpoint, str(err.status)).inc()
+            return _error_response(err)
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(call.response())
-
-    def _failed(call, endpoint):
-        e = call.error
-        err = e if isinstance(e, ApiError) else ApiError(
-            400 if isinstance(e, ValueError) else 500, f"{type(e).__name__}: {e}",
-            type="invalid_request_error" if isinstance(e, ValueError) else "server_error")
-        m.requests.labels(endpoint, str(err.status)).inc()
-        return _error_response(err)
 
     async def _stream(call: _Call, endpoint: str, t0: float):
         started = set()
@@ -298,10 +325,8 @@ def create_app(st: ServerState) -> FastAPI:
             while call.pending:
                 kind, payload = await call.events.get()
                 call.take(kind, payload)
-                if kind == "error":
-                    err = payload if isinstance(payload, ApiError) else ApiError(
-                        500, f"{type(payload).__name__}: {payload}", type="server_error")
-                    yield _sse(err.body())
+                if kind == "error":  # the first error ends the stream, once
+                    yield _sse(api_error(payload.error).body())
                     break
                 if kind == "delta":
                     d: Delta = payload
@@ -327,61 +352,3 @@ def create_app(st: ServerState) -> FastAPI:
             call.cancel()
 
     return app
-
-
-def _admit(st: ServerState, raw: bytes, chat: bool) -> _Call:
-    """Parse and check a request body, encode its prompts and queue its jobs."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(obj).__name__}",
-                       code="invalid_json")
-    try:
-        req = (ChatRequest if chat else CompletionRequest).model_validate(obj)
-    except ValidationError as e:
-        raise validation_error(e) from None
-    if req.model != st.model_id:
-        raise ApiError(404, f"model {req.model!r} is not served here (this server serves "
-                            f"{st.model_id!r})", "model", code="model_not_found")
-    model, vocab = st.model, st.model.config.vocab_size
-    if chat:
-        try:
-            text = model.apply_chat_template([msg.as_template_dict() for msg in req.messages])
-        except Exception as e:  # jinja2 errors of the template (e.g. its raise_exception)
-            raise ApiError(400, f"the chat template refused these messages: {e}",
-                           "messages") from None
-        prompts = [model.encode(text)]
-        limit, logprobs = req.limit(), req.logprob_count()
-    else:
-        prompts = []
-        for i, p in enumerate(req.prompt):
-            ids = model.encode(p) if isinstance(p, str) else list(p)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ApiError(400, f"prompt token id {bad[0]} is outside the vocabulary "
-                                    f"[0, {vocab})", "prompt")
-            prompts.append(ids)
-        limit, logprobs = req.max_tokens, req.logprobs
-    for ids in prompts:
-        if not ids:
-            raise ApiError(400, "the prompt encodes to no tokens", "messages" if chat else "prompt")
-        if len(ids) >= st.max_context:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this model's context holds "
-                                f"{st.max_context} (at most {st.max_context - 1} prompt tokens, "
-                                "leaving room for one generated)", "messages" if chat else "prompt",
-                           code="context_length_exceeded")
-    if req.sapwood.drafter == "model" and st.scheduler.slots[0].draft_model is None:
-        raise ApiError(400, "sapwood.drafter='model': this server has no draft model (start it "
-                            "with --drafter)", "sapwood.drafter")
-    if req.sapwood.drafter == "mtp" and st.scheduler.slots[0].model.mtp is None:
-        why = st.scheduler.slots[0].model.mtp_unsupported or "this server's model has no MTP head"
-        raise ApiError(400, f"sapwood.drafter='mtp': {why}", "sapwood.drafter")
-    call = _Call(st, chat, req, prompts, limit, logprobs)
-    try:
-        st.scheduler.submit(call.jobs)
-    except QueueFull as e:
-        raise ApiError(503, f"the server is busy: {e}", type="server_error",
-                       code="queue_full") from None
-    return call

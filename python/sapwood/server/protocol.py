@@ -13,10 +13,11 @@ from typing import Any, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import field_validator
 
+from ..sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SEED_LIMIT, TOP_K_MAX
+
 MAX_N = 16            # choices per request
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
-SEED_LIMIT = 2 ** 64
 
 
 class ApiError(Exception):
@@ -80,14 +81,19 @@ class _Sampling(_Strict):
     max_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: Optional[StrictInt] = Field(None, ge=-1)   # 0 or -1: off (vLLM's convention)
+    top_k: Optional[StrictInt] = Field(None, ge=-1, le=TOP_K_MAX)  # 0 or -1: off (vLLM's)
     min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)
     seed: Optional[StrictInt] = Field(None, ge=0, lt=SEED_LIMIT)
     stop: Optional[Union[StrictStr, List[StrictStr]]] = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
-    repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+    # the ranges SamplingParams checks, for the reasons sampling.py gives: within them a
+    # penalised logit cannot overflow (repetition_penalty=1e-300 made every pick raise)
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
+                                    allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
+                                     allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0],
+                                      le=REPETITION_PENALTY_RANGE[1], allow_inf_nan=False)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict] = None

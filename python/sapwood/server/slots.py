@@ -8,8 +8,14 @@ get served alone.
 
 A request's choices are jobs. Jobs wait in one FIFO queue; a free slot takes the head job
 (the slot that holds a snapshot the job can resume from, if that one is free, else the first
-free slot). A full queue refuses new jobs (the server answers 503); a cancelled job (its
-client went away) stops at its next token and frees its slot.
+free slot). A full queue refuses new jobs (the server answers 503), a request with more choices
+than the queue and the slots hold together can never fit (TooManyChoices: 400); a cancelled job
+(its client went away) stops at its next token and frees its slot.
+
+Every job ends in exactly one report, whatever happens to it: ("done", ChoiceResult) when it ran
+(finish_reason "cancelled" when stopped on the way), ("error", ChoiceError) when it raised,
+("cancelled", index) when it was cancelled before a slot took it. A request waits for its
+choices' reports, so a job that ended silently would hang it.
 """
 from __future__ import annotations
 
@@ -28,7 +34,21 @@ from ..textstream import IncrementalText
 
 
 class QueueFull(Exception):
-    pass
+    """The queue is full now: try again later (503)."""
+
+
+class TooManyChoices(ValueError):
+    """A request with more jobs than the queue and the slots hold together: it can never fit,
+    so trying again is no use (400)."""
+
+
+def report(job, kind: str, payload) -> None:
+    """job.emit(kind, payload), never raising: the caller is a slot's worker thread or the
+    scheduler, which must go on whatever the listener does (e.g. its event loop has closed)."""
+    try:
+        job.emit(kind, payload)
+    except Exception:  # noqa: BLE001 - nobody is left to hear it
+        pass
 
 
 @dataclass
@@ -61,6 +81,13 @@ class Delta:
     logprobs: list               # per token: (logprob, [(id, logprob), ...top]) when asked
     ends: list                   # per token: where its text ends in the choice's text
     start: int                   # where the first token's text starts
+
+
+@dataclass
+class ChoiceError:
+    """A job that raised: its index and the exception."""
+    index: int
+    error: BaseException
 
 
 @dataclass
@@ -236,16 +263,23 @@ class Slot:
             result = None
             try:
                 result = self.run(job)
-            except Exception as e:  # the request fails, the slot goes on
-                event = ("error", e)
-            else:
                 event = ("done", result)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - the request fails, the slot goes on
+                # BaseException: a Rust panic inside the tokenizer (pyo3's PanicException) is
+                # not an Exception; missed here it would end this thread, and the slot and the
+                # request waiting for this job's report with it
+                event = ("error", ChoiceError(job.index, e))
             finally:
                 self.job = None
-                self._on_done(self, result)
+                try:
+                    self._on_done(self, result)
+                except Exception:  # noqa: BLE001 - metrics must not take the slot down
+                    pass
             # the slot is idle (and its turn-end snapshot cached) before the client hears: its
             # next turn, sent at once, finds the slot that can resume it free
-            job.emit(*event)
+            report(job, *event)
 
     def _drafter(self, kind):
         kind = kind or self.default_drafter
@@ -386,26 +420,60 @@ class Scheduler:
     def busy(self) -> int:
         return len(self.slots) - len(self._idle)
 
+    @property
+    def capacity(self) -> int:
+        """The most jobs one request may have: the queue's and the slots' together."""
+        return self.max_queue + len(self.slots)
+
     def submit(self, jobs) -> None:
-        """Queue a request's jobs, all or none; QueueFull when they do not fit."""
+        """Queue a request's jobs, all or none; QueueFull when they do not fit now,
+        TooManyChoices when they never could."""
+        if len(jobs) > self.capacity:
+            raise TooManyChoices(f"the request has {len(jobs)} choices (n times the prompts); "
+                                 f"this server holds at most {self.capacity} at once "
+                                 f"({self.max_queue} waiting, --queue, and {len(self.slots)} "
+                                 "running, --parallel)")
         with self._lock:
             waiting = sum(not j.cancelled.is_set() for j in self._queue)
             if waiting + len(jobs) > self.max_queue + len(self._idle):
                 raise QueueFull(f"{waiting} requests are waiting (the queue holds "
                                 f"{self.max_queue}); try again later")
             self._queue.extend(jobs)
-            self._dispatch()
+            dropped = self._dispatch()
+        self._report_dropped(dropped)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> list:
+        """Start queued jobs on idle slots; the cancelled jobs it dropped (to report outside
+        the lock)."""
+        dropped = []
         while self._queue and self._idle:
             job = self._queue.popleft()
             if job.cancelled.is_set():
+                dropped.append(job)
                 continue
             pick = self.cache.best_slot(job.prompt, {s.index for s in self._idle}) \
                 if self.cache.budget else None
             slot = next((s for s in self._idle if s.index == pick), self._idle[0])
             self._idle.remove(slot)
             slot.start(job)
+        return dropped
+
+    def cancel(self, jobs) -> None:
+        """Cancel jobs: a running one stops at its next token (and reports "done" with
+        finish_reason "cancelled"); a queued one leaves the queue and reports "cancelled" now."""
+        for j in jobs:
+            j.cancelled.set()
+        mine = {id(j) for j in jobs}
+        with self._lock:
+            dropped = [j for j in self._queue if id(j) in mine]
+            if dropped:
+                self._queue = deque(j for j in self._queue if id(j) not in mine)
+        self._report_dropped(dropped)
+
+    @staticmethod
+    def _report_dropped(jobs) -> None:
+        for job in jobs:  # never ran: their requests hear so, or they would wait for them
+            report(job, "cancelled", job.index)
 
     def _done(self, slot: Slot, result) -> None:
         if self._on_done is not None:
@@ -413,13 +481,16 @@ class Scheduler:
         with self._lock:
             self._idle.append(slot)
             self._idle.sort(key=lambda s: s.index)
-            self._dispatch()
+            dropped = self._dispatch()
+        self._report_dropped(dropped)
 
     def close(self) -> None:
         with self._lock:
-            for j in self._queue:
+            dropped = list(self._queue)
+            for j in dropped:
                 j.cancelled.set()
             self._queue.clear()
+        self._report_dropped(dropped)
         for s in self.slots:
             if s.job is not None:
                 s.job.cancelled.set()
