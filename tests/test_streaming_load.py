@@ -135,13 +135,12 @@ def test_too_big_refused_before_reading(nine_b, monkeypatch):
     assert 4.5e9 < est.parts["weights"] < 6e9 and "mtp_drafter" in est.parts
 
 
-def test_config_contradicted_by_the_tensors_named_before_the_memory_check(nine_b, tmp_path,
-                                                                         monkeypatch):
-    import shutil
+def test_config_contradicted_by_the_tensors_named_before_the_memory_check(tmp_path, monkeypatch):
+    from sapwood.checkpoints import write_checkpoint
 
     monkeypatch.setenv("SAPWOOD_MEMORY_GB", "1")
-    d = tmp_path / "more_layers"
-    shutil.copytree(nine_b, d)
+    d = tmp_path / "more_layers"  # written anew: a copy of a sparse file is not sparse
+    write_checkpoint("9B", d, sparse=True, tokenizer=None)
     cfg = json.loads((d / "config.json").read_text())
     cfg["text_config"]["num_hidden_layers"] = 4000
     cfg["text_config"].pop("layer_types")
