@@ -122,3 +122,9 @@ python bench/replay_width.py record --threads 1 --reps 25 --model default --dept
 python bench/replay_width.py record --threads 1 --model /tmp/padded --depths 32768 --out $X/padded/replay_depth32k.json
 python bench/replay_suite.py --quiet --seeds 5 --table --old be85a1f~1 | tee $X/replay_suite_seeds5_old.txt
 python bench/replay_suite.py --quiet --seeds 5 --table | tee $X/replay_suite_seeds5.txt
+# Issue 48: streaming load on a 2-core Zen 4 (AVX-512 VNNI); random checkpoints of the
+# published shapes in scratch space (about 25 GB of disk for the three)
+Z4=bench/results/zen4_vnni/load
+for size in 0.8B 2B 9B; do python scripts/make_checkpoint.py $size /tmp/qwen35-${size,,}; done
+python bench/load.py /tmp/qwen35-0.8b /tmp/qwen35-2b --weights q8 q4 bf16 f32 --reps 3 --out $Z4/load_0.8b_2b.json | tee $Z4/load_0.8b_2b.txt
+python bench/load.py /tmp/qwen35-9b --weights q4 q8 --reps 2 --out $Z4/load_9b.json | tee $Z4/load_9b.txt
