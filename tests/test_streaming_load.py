@@ -149,6 +149,20 @@ def test_config_contradicted_by_the_tensors_named_before_the_memory_check(tmp_pa
         sapwood.load(d)
 
 
+def test_absent_mixers_widths_cost_nothing(tmp_path):
+    """Found by test_fuzz_config_long: a config whose layers are all GDN may set the attention
+    widths to anything (no tensor says otherwise); the estimate charged them as round buffers
+    and a KV pool, and refused a 0.5 MB model as needing 23 GB."""
+    make_tiny_checkpoint(tmp_path, seed=3, layers=2, layer_types=["linear_attention"] * 2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(num_attention_heads=1 << 16, num_key_value_heads=1 << 16, head_dim=1024)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    est = sapwood.estimate(tmp_path, weights="f32", max_context=64)
+    assert est.parts["kv_cache"] == 0 and est.total < 0.5e9
+    assert sapwood.load(tmp_path, weights="f32", max_context=64).generate(
+        [1, 2, 3], max_tokens=2, verify="off").tokens
+
+
 def test_flat_multimodal_config_is_not_defaults(nine_b):
     text = json.loads((nine_b / "config.json").read_text())["text_config"]
     cfg = ModelConfig.from_dict({**text, "model_type": "qwen3_5", "hidden_size": 1024})

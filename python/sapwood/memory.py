@@ -68,9 +68,11 @@ def weight_bytes(cfg: ModelConfig, fmt: str) -> int:
 def kv_bytes(cfg: ModelConfig, kv: str, max_context: int, attn_layers: int | None = None) -> int:
     """The KV page pool for max_context positions (`memory()["kv_pool_bytes"]`)."""
     n_attn = sum(t == FULL for t in cfg.layer_types) if attn_layers is None else attn_layers
+    if not n_attn:  # the engine reserves a pool of one layer, never touched
+        return 0
     D = max(32, cfg.head_dim)
     per_head = 2 * KV_PAGE * D + 2 * KV_PAGE * (D // KV_GROUP) * 4 if kv == "int8" else 2 * KV_PAGE * D * 4
-    return _up(max_context, KV_PAGE) // KV_PAGE * per_head * max(1, cfg.num_kv_heads) * max(1, n_attn)
+    return _up(max_context, KV_PAGE) // KV_PAGE * per_head * max(1, cfg.num_kv_heads) * n_attn
 
 
 def gdn_state_bytes(cfg: ModelConfig) -> int:
@@ -84,10 +86,13 @@ def working_bytes(cfg: ModelConfig) -> int:
     """A round's buffers: the GDN tape kept pending between rounds and a tree's tape, a prefill
     chunk's activations, the logits of a tree."""
     n_gdn = sum(t == LINEAR for t in cfg.layer_types)
+    n_attn = len(cfg.layer_types) - n_gdn
     token = 2 * cfg.hk * cfg.dk + cfg.hv * cfg.dv + 2 * cfg.hv
     tape = (PENDING_TOKENS * token + TREE_NODES * (cfg.conv_dim + token)) * 4 * n_gdn
-    widest = max(2 * cfg.intermediate_size, cfg.conv_dim + 2 * cfg.hv * cfg.dv,
-                 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim)
+    # a mixer's widths count only where its layers exist (a config may set the other's freely)
+    widest = max(2 * cfg.intermediate_size,
+                 cfg.conv_dim + 2 * cfg.hv * cfg.dv if n_gdn else 0,
+                 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim if n_attn else 0)
     acts = PREFILL_ROWS * (4 * cfg.hidden_size + widest) * 4
     return tape + acts + TREE_NODES * cfg.vocab_size * 4
 
