@@ -5,6 +5,22 @@ from sapwood import _core
 from util import ISAS, isa
 
 
+# The engine's own threshold, read at import before the session fixture below lifts it.
+DEFAULT_MIN_PARALLEL_WORK = _core.min_parallel_work()
+
+
+@pytest.fixture(scope="module")
+def engine_default_parallel_work():
+    """The engine's own threshold back for a module (the server tests): they run ten engines'
+    pools on a shared machine, where a parallel region around every test-sized op cost more
+    than the op (a 24-token request took seconds instead of milliseconds); results never
+    depend on it."""
+    old = _core.min_parallel_work()
+    _core.set_min_parallel_work(DEFAULT_MIN_PARALLEL_WORK)
+    yield
+    _core.set_min_parallel_work(old)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def parallel_regions_everywhere():
     """Test-sized problems fall below the engine's minimum work for a parallel region; lift it

@@ -2,22 +2,15 @@
 port, uvicorn in a thread) over tiny checkpoints. Every response is compared with
 `Model.generate(..., verify="off")` on a separate engine, tokens and text with ==, logprobs
 with == against the log-softmax of the logits plain decoding computes."""
-import importlib.util
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from util import require_packages
 
-_MISSING = [m for m in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai", "httpx")
-            if importlib.util.find_spec(m) is None]
-if _MISSING and os.environ.get("CI"):  # CI installs the extra: there the tests must run
-    raise ImportError(f"CI without the server extra's packages {_MISSING}")
-if _MISSING:
-    pytest.skip(f"the server extra is not installed here (missing {', '.join(_MISSING)}): "
-                'pip install "sapwood[server,test]"', allow_module_level=True)
+require_packages("openai")
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
@@ -28,19 +21,7 @@ from sapwood.reference.ranking import logsumexp  # noqa: E402
 from sapwood.server.text import token_bytes_table  # noqa: E402
 from sapwood.testing import make_tiny_checkpoint  # noqa: E402
 
-# read at import, before conftest lifts it for the session: the server tests run ten engines'
-# pools on a shared machine, where a parallel region around every test-sized op cost more
-# than the op (a 24-token request took seconds instead of milliseconds); results never
-# depend on it
-_MIN_WORK = sapwood._core.min_parallel_work()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def engine_default_parallel_work():
-    old = sapwood._core.min_parallel_work()
-    sapwood._core.set_min_parallel_work(_MIN_WORK)
-    yield
-    sapwood._core.set_min_parallel_work(old)
+pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -5,9 +5,7 @@ long before tokenizing; deep JSON, lone surrogates and requests that can never f
 a 400 saying why. A live server on a free loopback port over a tiny checkpoint, as in
 tests/test_server.py; raw sockets where a client must misbehave below HTTP."""
 import asyncio
-import importlib.util
 import json
-import os
 import socket
 import threading
 import time
@@ -15,14 +13,9 @@ import unicodedata
 
 import numpy as np
 import pytest
+from util import require_packages
 
-_MISSING = [m for m in ("fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx")
-            if importlib.util.find_spec(m) is None]
-if _MISSING and os.environ.get("CI"):  # CI installs the extra: there the tests must run
-    raise ImportError(f"CI without the server extra's packages {_MISSING}")
-if _MISSING:
-    pytest.skip(f"the server extra is not installed here (missing {', '.join(_MISSING)})",
-                allow_module_level=True)
+require_packages()
 
 import httpx  # noqa: E402
 
@@ -33,18 +26,10 @@ from sapwood.server.slots import Job, Scheduler, SnapshotCache, TooManyChoices  
 from sapwood.server.text import _NORMALIZER_SHRINK, chars_per_token_bound  # noqa: E402
 from sapwood.testing import make_tiny_checkpoint, make_tokenizer  # noqa: E402
 
-_MIN_WORK = sapwood._core.min_parallel_work()  # as tests/test_server.py: see there why
+pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 CONTEXT = 256
 MAX_BODY = 64 * 1024
 TIMEOUT = 30  # a liveness bound: a request that hangs fails here instead of hanging the suite
-
-
-@pytest.fixture(autouse=True, scope="module")
-def engine_default_parallel_work():
-    old = sapwood._core.min_parallel_work()
-    sapwood._core.set_min_parallel_work(_MIN_WORK)
-    yield
-    sapwood._core.set_min_parallel_work(old)
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,20 @@ def isa(name):
 
 
 ISAS = _core.available_isas()
+
+
+def require_packages(*extra: str) -> None:
+    """Skip the calling module when the server extra (or `extra`) is missing here; under CI,
+    which installs them, fail instead: there the tests must run."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    names = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx", *extra)
+    missing = [m for m in names if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("CI"):
+        raise ImportError(f"CI without the packages {missing}")
+    if missing:
+        pytest.skip(f"missing here: {', '.join(missing)}: pip install \"sapwood[server,test]\"",
+                    allow_module_level=True)

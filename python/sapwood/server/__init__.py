@@ -123,7 +123,10 @@ def run(st: ServerState, host: str = "127.0.0.1", port: int = 8080, log_level: s
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:  # bound: the URL works now
-                announce(f"sapwood serve: http://{shown}:{port}/v1  (model {st.model_id!r}, "
+                bound = port
+                if not bound and self.servers and self.servers[0].sockets:  # --port 0: a free one
+                    bound = self.servers[0].sockets[0].getsockname()[1]
+                announce(f"sapwood serve: http://{shown}:{bound}/v1  (model {st.model_id!r}, "
                          f"{len(st.scheduler.slots)} slot(s), context {st.max_context}, "
                          f"snapshot cache {st.cache.budget / 2 ** 20:.0f} MiB)", flush=True)
 
@@ -145,7 +148,12 @@ class Running:
         import uvicorn
 
         self.st = st
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+        # proto says TCP, and without it a response written as head then body waited for the
+        # client's delayed ACK, 40 ms per request on a kept-alive connection (uvicorn's own
+        # sockets, `sapwood serve`, come from getaddrinfo and say so)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from ..generate import DecodeConfig
 from ..sampling import SamplingParams
@@ -42,15 +43,20 @@ def body_too_large(limit: int) -> ApiError:
 async def read_body(request, limit: int) -> bytes:
     """The request's body, or a 413 as soon as it is known to exceed `limit` bytes: from its
     Content-Length before reading any of it, else (a chunked upload) once the chunks read pass
-    it. Nothing past the limit is kept."""
+    it. Nothing past the limit is kept. A client gone before its body ended is a 499 (counted;
+    nobody hears it), not an unhandled ClientDisconnect logged as the server's error."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise body_too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise body_too_large(limit)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise body_too_large(limit)
+    except ClientDisconnect:  # gone before its body ended: nobody to answer, no server error
+        raise ApiError(499, "the client closed the connection before the body ended",
+                       code="client_closed") from None
     return bytes(body)
 
 

@@ -45,13 +45,19 @@ _TYPE_TAG = re.compile(r"(str|int|float|bool|none|(list|dict|tuple|literal|funct
 def validation_error(e: ValidationError) -> ApiError:
     """The first problem pydantic found, as a 400 naming the field and its value."""
     err = e.errors(include_url=False)[0]
-    # union members add their type to a location: ('stop', 'list[str]', 2) is stop
-    loc = [str(x) for x in err.get("loc", ()) if isinstance(x, int) or not _TYPE_TAG.fullmatch(x)]
+    raw = err.get("loc", ())
+    extra = err.get("type") == "extra_forbidden"
+    # union members add their type to a location: ('stop', 'list[str]', 2) is stop; an unknown
+    # field's name (the last part) is the client's, kept whatever it reads: a field "str" was
+    # taken for a tag and reported as "supplied: None"
+    loc = [str(x) for i, x in enumerate(raw) if isinstance(x, int) or not _TYPE_TAG.fullmatch(x)
+           or (extra and i == len(raw) - 1)]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    if err.get("type") == "extra_forbidden":
-        return ApiError(400, f"unrecognized request argument supplied: {param}", param,
-                        code="unknown_field")
+    if extra:
+        name = ".".join(loc)
+        return ApiError(400, f"unrecognized request argument supplied: {name or repr(name)}",
+                        name, code="unknown_field")
     if err.get("type") == "missing":
         return ApiError(400, f"{param} is required", param, code="missing_field")
     where = f"{param}: " if param else ""
