@@ -665,8 +665,9 @@ def test_mutated_bodies_are_refused_or_served(live, before, chat):
 
     run()
     show(seen, f"mutated {path}")
-    # the examples reached past the first checks: some were served, many fields were named
-    assert seen[(200,)] >= 5, seen
+    # the examples reached past the first checks: many fields were named (how many were served
+    # depends on the draw, which hypothesis derives from the test's location too; the valid
+    # bodies' test covers served requests)
     assert len({k[2] for k in seen if len(k) == 3 and k[2]}) >= 10, seen
     assert_unchanged(live, before)
 

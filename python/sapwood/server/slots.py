@@ -262,8 +262,11 @@ class Slot:
                 return
             result = None
             try:
-                result = self.run(job)
-                event = ("done", result)
+                if job.cancelled.is_set():  # cancelled after dispatch (a sibling failed): no run
+                    event = ("cancelled", job.index)
+                else:
+                    result = self.run(job)
+                    event = ("done", result)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - the request fails, the slot goes on
