@@ -160,7 +160,7 @@ class PySource : public TensorSource {
 struct WeightsArg {
   std::vector<F32> keep;
   TensorMap map;
-  std::unique_ptr<TensorSource> src;
+  std::unique_ptr<TensorSource> src;  // declared last: destroyed first, before what it reads
   explicit WeightsArg(py::handle w) {
     if (py::isinstance<py::dict>(w)) {
       map = tensor_map(py::reinterpret_borrow<py::dict>(w), &keep);
@@ -169,7 +169,6 @@ struct WeightsArg {
       src = std::make_unique<PySource>(w);
     }
   }
-  ~WeightsArg() { src.reset(); }  // before the map and arrays it reads
 };
 
 inline KVDtype parse_kv_dtype(const std::string& s) {

@@ -55,19 +55,15 @@ const ModelDims& checked(const ModelDims& d, int max_context, int threads, int p
 // The dims and formats, then every weight's values as the loader streamed them.
 uint64_t fingerprint(const ModelDims& d, const WeightLoader& t, WFormat wfmt, KVDtype kv,
                      int page_size) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  auto value = [&h](const auto& v) {
-    const auto* b = reinterpret_cast<const unsigned char*>(&v);
-    for (size_t i = 0; i < sizeof v; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
-  };
+  WeightHasher h;
   for (int v : {d.vocab, d.hidden, d.inter, d.n_heads, d.n_kv_heads, d.head_dim, d.rotary_dim,
                 d.hk, d.dk, d.hv, d.dv, d.conv_k, int(d.tied), int(d.tiled), int(wfmt), int(kv),
                 page_size})
-    value(v);
-  value(d.rope_theta), value(d.eps);
-  for (bool a : d.is_attn) value(a);
-  value(t.fingerprint());
-  return h;
+    h.value(v);
+  h.value(d.rope_theta), h.value(d.eps);
+  for (bool a : d.is_attn) h.value(a);
+  h.value(t.fingerprint());
+  return h.h;
 }
 
 }  // namespace

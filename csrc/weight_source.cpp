@@ -30,32 +30,6 @@ const void* MapSource::rows(const std::string& name, int64_t r0, int64_t, SrcDty
 
 namespace {
 
-// 64-bit FNV-1a over small values, four independent multiply lanes over row data (one
-// multiply per 8 bytes per lane keeps the extra pass cheap next to the conversions).
-struct Hasher {
-  uint64_t h = 0xcbf29ce484222325ull;
-  void bytes(const void* p, size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
-  }
-  template <class T>
-  void value(const T& v) { bytes(&v, sizeof v); }
-  void data(const float* p, size_t n) {
-    uint64_t lane[4] = {1, 2, 3, 4};
-    const size_t words = n / 2;  // two floats a word
-    size_t i = 0;
-    for (; i + 4 <= words; i += 4)
-      for (int j = 0; j < 4; ++j) {
-        uint64_t w;
-        std::memcpy(&w, p + 2 * (i + j), 8);
-        lane[j] = (lane[j] ^ w) * 0x9E3779B97F4A7C15ull;
-        lane[j] ^= lane[j] >> 29;
-      }
-    for (uint64_t l : lane) value(l);
-    bytes(p + 2 * i, (n - 2 * i) * sizeof(float));
-  }
-};
-
 uint64_t mix(uint64_t x) {  // splitmix64's finalizer: row hashes are summed, so spread them
   x ^= x >> 30, x *= 0xbf58476d1ce4e5b9ull;
   x ^= x >> 27, x *= 0x94d049bb133111ebull;
@@ -154,7 +128,7 @@ void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, B
             ok = false;
             continue;
           }
-          Hasher h;
+          WeightHasher h;
           h.data(row, size_t(cols));
           local += mix(h.h ^ mix(uint64_t(r0 + i0 + i)));
         }
@@ -164,7 +138,7 @@ void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, B
     });
     SW_CHECK(bad < 0, name, " has a non-finite value ", bad_value, " at flat index ", bad);
   }
-  Hasher h;
+  WeightHasher h;
   h.bytes(name.data(), name.size());
   h.value(rows), h.value(cols), h.value(sum.load());
   hashes_[name] = h.h;
@@ -191,7 +165,7 @@ std::vector<float> WeightLoader::vector(const std::string& name, const std::vect
 }
 
 uint64_t WeightLoader::fingerprint() const {
-  Hasher h;
+  WeightHasher h;
   for (const auto& [name, v] : hashes_) h.value(v);  // a std::map: in name order
   return h.h;
 }

@@ -8,6 +8,7 @@
 // safetensors shards. MapSource serves float32 tensors already in memory (tests, small heads).
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,6 +19,32 @@ namespace sapwood {
 
 enum class SrcDtype { F32, F16, BF16 };
 size_t src_dtype_size(SrcDtype t);
+
+// 64-bit FNV-1a over small values, four independent multiply lanes over row data (one
+// multiply per 8 bytes per lane keeps the extra pass cheap next to the conversions).
+struct WeightHasher {
+  uint64_t h = 0xcbf29ce484222325ull;
+  void bytes(const void* p, size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  }
+  template <class T>
+  void value(const T& v) { bytes(&v, sizeof v); }
+  void data(const float* p, size_t n) {
+    uint64_t lane[4] = {1, 2, 3, 4};
+    const size_t words = n / 2;  // two floats a word
+    size_t i = 0;
+    for (; i + 4 <= words; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        uint64_t w;
+        std::memcpy(&w, p + 2 * (i + j), 8);
+        lane[j] = (lane[j] ^ w) * 0x9E3779B97F4A7C15ull;
+        lane[j] ^= lane[j] >> 29;
+      }
+    for (uint64_t l : lane) value(l);
+    bytes(p + 2 * i, (n - 2 * i) * sizeof(float));
+  }
+};
 
 class TensorSource {
  public:

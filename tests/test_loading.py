@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import sapwood
-from sapwood.loading import check_weights, engine_dims, read_checkpoint
+from sapwood.loading import check_tensors, engine_dims, read_checkpoint
 from sapwood.reference.model import ModelConfig, expected_shapes
 from sapwood.safetensors_io import load_checkpoint_weights, read_safetensors
 from sapwood.testing import save_bf16, make_tiny_checkpoint, make_tokenizer
@@ -179,7 +179,7 @@ def test_bad_tensors(ckpt, mutate, match):
 def test_tied_drops_lm_head_and_untied_needs_it(ckpt):
     cfg = ModelConfig.from_dict({**json.loads((ckpt / "config.json").read_text()), "tie_word_embeddings": True})
     w = load_checkpoint_weights(ckpt)
-    out = check_weights(cfg, w)  # HF ignores a stored lm_head of a tied model
+    out = check_tensors(cfg, w)  # HF ignores a stored lm_head of a tied model
     assert list(out) == list(expected_shapes(cfg)) and "lm_head.weight" not in out
     del w["lm_head.weight"]
     resave(ckpt, w)

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 
 import pytest
-from util import require_packages
+from util import LiveServer, require_packages, tiny_server_target
 
 require_packages("hypothesis")
 
@@ -42,7 +42,6 @@ from hypothesis import strategies as st  # noqa: E402
 import sapwood  # noqa: E402
 from sapwood import server  # noqa: E402
 from sapwood.server.protocol import ChatRequest  # noqa: E402
-from sapwood.testing import make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 CONTEXT = 512
@@ -63,11 +62,7 @@ def fuzz_settings(n):
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fuzz")
-    make_tiny_checkpoint(root / "target", seed=1, layers=2, vocab=VOCAB)
-    # random models hit eos at once; no eos, max_tokens ends
-    (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    return root / "target"
+    return tiny_server_target(tmp_path_factory.mktemp("fuzz"), vocab=VOCAB)
 
 
 class _Errors(logging.Handler):
@@ -82,22 +77,17 @@ class _Errors(logging.Handler):
         self.records.append(f"{record.getMessage()} {record.exc_info and record.exc_info[1]!r}")
 
 
-class Live:
+class Live(LiveServer):
+    """LiveServer that also records what uvicorn logs at ERROR (an error nobody was answered)."""
+
     def __init__(self, st_):
-        self.st = st_
-        self.running = server.start(st_)
-        self.url, self.port = self.running.url, self.running.port
-        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
+        super().__init__(st_, TIMEOUT)
         self.errors = _Errors()  # after start: uvicorn's logging setup replaces handlers
         logging.getLogger("uvicorn.error").addHandler(self.errors)
 
-    def post(self, path, content: bytes):
-        return self.http.post(path, content=content, headers={"content-type": "application/json"})
-
     def close(self):
         logging.getLogger("uvicorn.error").removeHandler(self.errors)
-        self.http.close()
-        self.running.close()
+        super().close()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +125,7 @@ STEADY = [
 def steady_answer(live, path, body):
     """(per choice: token ids, text, finish reason) of a request that must succeed."""
     body = {**body, "sapwood": {"return_token_ids": True}}
-    r = live.post(path, json.dumps(body).encode())
+    r = live.post(body, path)
     assert r.status_code == 200, r.text
     chat = path.endswith("chat/completions")
     if body.get("stream"):
@@ -546,7 +536,7 @@ def encode_body(draw, body) -> bytes:
 def send(live, path, raw: bytes, seen=None):
     """POST `raw`; `seen` counts the outcomes, (status, error code, param's first part)."""
     try:
-        r = live.post(path, raw)
+        r = live.post(raw, path, raw=True)
     except httpx.TimeoutException:
         pytest.fail(f"no answer within {TIMEOUT} s to {raw[:300]!r}")
     if seen is not None:
@@ -826,11 +816,11 @@ def test_valid_requests_unchanged_after_the_fuzz(live, before):
 def test_an_unknown_field_is_named_whatever_its_name_reads(live, name):
     # the name matched the pattern of pydantic's union tags and was dropped: "supplied: None"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, name: 1}
-    err = check_error(live.post("/v1/completions", json.dumps(body).encode()))
+    err = check_error(live.post(body))
     assert err["code"] == "unknown_field" and err["param"] == name, err
     assert err["message"].endswith(f": {name or repr(name)}"), err
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "sapwood": {name: 1}}
-    err = check_error(live.post("/v1/completions", json.dumps(body).encode()))
+    err = check_error(live.post(body))
     assert err["param"] == f"sapwood.{name}", err
 
 

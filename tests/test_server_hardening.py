@@ -13,18 +13,16 @@ import unicodedata
 
 import numpy as np
 import pytest
-from util import require_packages
+from util import LiveServer, require_packages, tiny_server_target
 
 require_packages()
-
-import httpx  # noqa: E402
 
 import sapwood  # noqa: E402
 from sapwood import server  # noqa: E402
 from sapwood.sampling import SamplingParams  # noqa: E402
 from sapwood.server.slots import Job, Scheduler, SnapshotCache, TooManyChoices  # noqa: E402
 from sapwood.server.text import _NORMALIZER_SHRINK, chars_per_token_bound  # noqa: E402
-from sapwood.testing import make_tiny_checkpoint, make_tokenizer  # noqa: E402
+from sapwood.testing import make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 CONTEXT = 256
@@ -34,27 +32,7 @@ TIMEOUT = 30  # a liveness bound: a request that hangs fails here instead of han
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    root = tmp_path_factory.mktemp("harden")
-    make_tiny_checkpoint(root / "target", seed=1, layers=2)
-    # random models hit eos at once; no eos, max_tokens ends
-    (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    return root / "target"
-
-
-class Live:
-    def __init__(self, st):
-        self.st = st
-        self.running = server.start(st)
-        self.url, self.port = self.running.url, self.running.port
-        self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
-
-    def post(self, body, path="/v1/completions", raw=False):
-        content = body if raw else json.dumps(body)
-        return self.http.post(path, content=content, headers={"content-type": "application/json"})
-
-    def close(self):
-        self.http.close()
-        self.running.close()
+    return tiny_server_target(tmp_path_factory.mktemp("harden"))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +40,7 @@ def live(target):
     # one slot and a queue of one: capacity 2 choices; a 64 KiB body limit
     st = server.build(str(target), parallel=1, max_context=CONTEXT, cache_mb=0, max_queue=1,
                       model_id="tiny", max_body_mb=MAX_BODY / 2 ** 20)
-    srv = Live(st)
+    srv = LiveServer(st, TIMEOUT)
     yield srv
     srv.close()
 

@@ -92,3 +92,41 @@ def require_packages(*extra: str) -> None:
     if missing:
         pytest.skip(f"missing here: {', '.join(missing)}: pip install \"sapwood[server,test]\"",
                     allow_module_level=True)
+
+
+def tiny_server_target(root, **kw):
+    """A tiny checkpoint for server tests at root/target: two layers, no eos (random models hit
+    eos at once; without it max_tokens ends a choice)."""
+    import json
+
+    from sapwood.testing import make_tiny_checkpoint
+
+    make_tiny_checkpoint(root / "target", seed=1, layers=2, **kw)
+    (root / "target" / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    return root / "target"
+
+
+class LiveServer:
+    """A built server (sapwood.server.build) running on a free loopback port, with an httpx
+    client whose every request is bounded by `timeout`: a hang fails instead of hanging."""
+
+    def __init__(self, st, timeout):
+        import httpx
+
+        from sapwood import server
+
+        self.st = st
+        self.running = server.start(st)
+        self.url, self.port = self.running.url, self.running.port
+        self.http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def post(self, body, path="/v1/completions", raw=False):
+        """body: JSON-able, or the raw bytes to send (raw=True)."""
+        import json
+
+        content = body if raw else json.dumps(body)
+        return self.http.post(path, content=content, headers={"content-type": "application/json"})
+
+    def close(self):
+        self.http.close()
+        self.running.close()

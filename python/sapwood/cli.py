@@ -119,7 +119,7 @@ def cmd_inspect(a) -> int:
     ests = {m: estimate_config(cfg, weights=m, kv=a.kv, max_context=a.max_context) for m in WEIGHT_MODES}
     free = available_bytes()
     if a.json:
-        print(json.dumps({"path": str(d), "config": {k: v for k, v in vars(cfg).items()},
+        print(json.dumps({"path": str(d), "config": vars(cfg),
                           "available_bytes": free,
                           "estimates": {m: {**e.parts, "total": e.total} for m, e in ests.items()}},
                          default=list))

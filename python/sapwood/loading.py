@@ -17,7 +17,7 @@ import numpy as np
 from . import _core
 from .memory import check_fits, estimate_config
 from .model import Model
-from .reference.model import FULL, ModelConfig, expected_shapes, normalize_names
+from .reference.model import FULL, LINEAR, ModelConfig, expected_shapes, normalize_names
 from .reference.mtp import MTP_CONFIG_KEY, check_mtp_tensors, mtp_tensors
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
 
@@ -167,24 +167,15 @@ def check_tensors(cfg: ModelConfig, infos: dict) -> dict:
     return {n: infos[n] for n in shapes}
 
 
-def check_weights(cfg: ModelConfig, tensors: dict) -> dict[str, np.ndarray]:
-    """check_tensors for in-memory arrays; returns them C-contiguous float32, value-checked."""
-    out = {n: np.ascontiguousarray(x, dtype=np.float32) for n, x in check_tensors(cfg, tensors).items()}
-    _check_values(cfg, out)
-    _check_logit_bound(cfg, out["model.norm.weight"],
-                       _amax(out["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]))
-    return out
-
-
 def _check_values(cfg: ModelConfig, tensors) -> None:
     """Finite values that would overflow are refused here (non-finite ones by the engine, naming
     the tensor). exp(A_log) is the GDN decay rate: past float32's range (A_log >= 88.7) every
     decay is -inf. Reads only the small A_log tensors."""
     for i, kind in enumerate(cfg.layer_types):
-        name = f"model.layers.{i}.linear_attn.A_log"
-        if name not in tensors:
+        if kind != LINEAR:
             continue
-        x = tensors[name]
+        name = f"model.layers.{i}.linear_attn.A_log"
+        x = tensors[name]  # a Mapping's `in` would read the tensor once more
         if x.size and np.isfinite(x).all() and x.max() >= 88.0:
             raise ValueError(f"tensor {name!r} has A_log={float(x.max())!r}: exp(A_log) overflows "
                              "float32 (must be < 88)")
@@ -368,15 +359,14 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
         try:
             engine = _core.Engine(engine_dims(ck.config), ck.weights, weights, kv, max_context,
                                   nthreads, backend)
+            head = head_name(ck.config)
+            amax = ck.weights.amax.get(head)
+            if amax is None:  # an engine that did not stream (a test's stand-in)
+                amax = _amax(ck.weights[head])
+            _check_logit_bound(ck.config, ck.weights["model.norm.weight"], amax)
         finally:
             ck.weights.on_bytes = None
             ck.weights.close()
-    head = head_name(ck.config)
-    amax = ck.weights.amax.get(head)
-    if amax is None:  # an engine that did not stream (a test's stand-in)
-        amax = _amax(ck.weights[head])
-    _check_logit_bound(ck.config, ck.weights["model.norm.weight"], amax)
-    ck.weights.close()
     model = Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
                   weights=weights, kv=kv, backend=backend, max_context=max_context)
     model.policy_cache = bool(policy_cache)

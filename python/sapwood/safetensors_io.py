@@ -123,27 +123,22 @@ def read_safetensors(path, names=None) -> dict[str, np.ndarray]:
     """Read tensors of one .safetensors file (all of them, or `names`) as numpy arrays.
 
     F32/F16/BF16/F64 -> float32; integer and BOOL dtypes stay as they are (native byte order).
-    The file is memory-mapped, so only the requested tensors are read from disk.
+    Only the requested tensors are read from disk.
     """
     path = Path(path)
-    tensors, start, data_size = read_header(path)
+    infos = file_index(path)
     if names is None:
-        names = list(tensors)
+        names = list(infos)
     else:
-        missing = [n for n in names if n not in tensors]
+        missing = [n for n in names if n not in infos]
         if missing:
             raise ValueError(f"{path}: no tensor {missing[0]!r} in this file"
                              + (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
-    if data_size == 0:  # np.memmap refuses empty mappings; every tensor here is empty
-        data = np.zeros(0, np.uint8)
-    else:
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(data_size,))
-    out = {}
-    for name in names:
-        dtype, shape, begin, end = tensors[name]
-        out[name] = _to_array(data[begin:end], dtype, shape)
-    del data  # the arrays are copies; close the mapping now rather than at GC
-    return out
+    reader = TensorReader(0)
+    try:
+        return {name: reader.read(infos[name]) for name in names}
+    finally:
+        reader.close()
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from .common import dump_json, machine, source_revision
 
 _LOAD = textwrap.dedent("""
     import json, sys, time
@@ -69,14 +70,6 @@ def read_seconds(path) -> dict:
     return _run(_READ, path)
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoints", nargs="+")
@@ -86,8 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     a = ap.parse_args(argv)
     runs = []
-    print(f"# {_cpu()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-          "GB = 1e9 bytes; load s: median [range]")
+    host = {**machine(), "revision": source_revision(), "load_average": os.getloadavg()[0]}
+    print(f"# {host}; GB = 1e9 bytes; load s: median [range]")
     print(f"{'checkpoint':<28} {'mode':<5} {'load s':>12} {'read s':>7} {'peak GB':>8} "
           f"{'final GB':>8} {'engine GB':>9} {'peak/final':>10}")
     for ck in a.checkpoints:
@@ -105,7 +98,7 @@ def main(argv=None) -> int:
                   f"{held[0] / 1e9:8.2f} {rs[0]['engine'] / 1e9:9.2f} {max(grew) / min(held):10.2f}",
                   flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(runs, indent=1))
+        print(f"# {a.out} sha256 {dump_json({'host': host, 'runs': runs}, a.out)}")
     return 0
 
 
