@@ -176,6 +176,9 @@ class FakeEngine:
         last = len(self.seq) - 1
         return self._onehot([self.seq[min(p + d + 1, last)] for d in depth])
 
+    def verify_walk(self, tokens, parents, fold_in_background=False, **sampling):
+        return G.walk_and_commit(self, self.verify(tokens, parents), tokens, parents, **sampling)
+
     def commit(self, path, fold_in_background=False):
         self.position += len(path)
 

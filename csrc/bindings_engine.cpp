@@ -7,14 +7,76 @@
 #include "bindings_util.h"
 #include "common.h"
 #include "engine.h"
+#include "sampler.h"
+#include "tree.h"
 
 namespace py = pybind11;
 using namespace sapwood;
+
+namespace {
+
+py::tuple walk_result(const Walk& w) {
+  return py::make_tuple(py::cast(w.path), py::cast(w.picks));
+}
+
+}  // namespace
 
 void bind_engine(py::module_& m) {
   m.def("available_backends", &available_backends,
         "The backends this build has: 'cpu', then 'metal', 'metal-emulated', 'sycl', "
         "'sycl-emulated' as built.");
+  m.def("sample", [](py::array logits, py::array_t<uint64_t, py::array::c_style> positions,
+                     double temperature, int64_t top_k, double top_p, double min_p,
+                     uint64_t seed) {
+          // sampling.sample has checked the parameters and the shapes
+          if (logits.ndim() != 2 || positions.ndim() != 1 || positions.shape(0) != logits.shape(0))
+            throw InputError(cat("sample: logits [N, V] and positions [N], got ",
+                                 shape_str(logits), " and ", shape_str(positions)));
+          const int n = int(logits.shape(0)), V = int(logits.shape(1));
+          const SampleParams p{temperature, top_k, top_p, min_p, seed};
+          py::array_t<int64_t> out(n);
+          int64_t* o = out.mutable_data();
+          const uint64_t* pos = positions.data();
+          auto run = [&](auto* x) {
+            py::gil_scoped_release release;
+            sample_rows(x, n, V, pos, p, o);
+          };
+          if (py::isinstance<py::array_t<float, py::array::c_style>>(logits))
+            run(py::array_t<float, py::array::c_style>(logits).data());
+          else if (py::isinstance<py::array_t<double, py::array::c_style>>(logits))
+            run(py::array_t<double, py::array::c_style>(logits).data());
+          else
+            throw InputError(cat("sample: logits must be C-contiguous float32 or float64, got ",
+                                 std::string(py::str(logits.dtype()))));
+          return out;
+        },
+        py::arg("logits"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("seed"),
+        "The keyed sampler (sampler.h) over rows [N, V] at positions [N]: sampling.sample's "
+        "work, which checks the arguments first.");
+  m.def("walk", [](py::array_t<float, py::array::c_style> logits, py::handle tokens,
+                   py::handle parents, uint64_t base_position, double temperature,
+                   int64_t top_k, double top_p, double min_p, uint64_t seed) {
+          const std::vector<int> t = as_ints(tokens, "tokens"), par = as_ints(parents, "parents");
+          check_parents(par.data(), int(par.size()));
+          if (logits.ndim() != 2 || logits.shape(0) != py::ssize_t(t.size()) ||
+              par.size() != t.size() || logits.shape(1) == 0)
+            throw InputError(cat("walk: logits [N, V] for N tokens and parents, got ",
+                                 shape_str(logits), ", ", t.size(), " tokens and ", par.size(),
+                                 " parents"));
+          const SampleParams p{temperature, top_k, top_p, min_p, seed};
+          Walk w;
+          {
+            py::gil_scoped_release release;
+            w = walk_tree(logits.data(), int(logits.shape(1)), t, par, base_position, p);
+          }
+          return walk_result(w);
+        },
+        py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("base_position"),
+        py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
+        py::arg("min_p") = 0.0, py::arg("seed") = 0,
+        "(path, picks): the walk of a verified tree over its logits [N, V] from the root at "
+        "base_position (Engine.verify_walk's, over logits given).");
   py::register_exception<EngineBusy>(m, "EngineBusyError", PyExc_RuntimeError);
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
       .def_property_readonly("position", [](const Snapshot& s) { return s.length; })
@@ -106,6 +168,33 @@ void bind_engine(py::module_& m) {
            },
            py::arg("tokens"), py::arg("parents"),
            "Logits [N, V] of a tree; node 0 is the root at the current position.")
+      .def("verify_walk", [](Engine& e, py::handle tokens, py::handle parents,
+                             double temperature, int64_t top_k, double top_p, double min_p,
+                             uint64_t seed, bool commit, bool fold_in_background,
+                             bool return_logits) {
+             const std::vector<int> t = as_ints(tokens, "tokens");
+             const std::vector<int> p = as_ints(parents, "parents");
+             const SampleParams sp{temperature, top_k, top_p, min_p, seed};
+             std::vector<float> z;
+             Walk w;
+             {
+               py::gil_scoped_release release;
+               w = e.verify_walk(t, p, sp, commit, fold_in_background,
+                                 return_logits ? &z : nullptr);
+             }
+             py::tuple res = walk_result(w);
+             if (!return_logits) return res;
+             return py::tuple(py::make_tuple(
+                 res[0], res[1], to_array(std::move(z), py::ssize_t(t.size()), e.dims().vocab)));
+           },
+           py::arg("tokens"), py::arg("parents"), py::arg("temperature") = 0.0,
+           py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0,
+           py::arg("seed") = 0, py::arg("commit") = true, py::arg("fold_in_background") = false,
+           py::arg("logits") = false,
+           "A round in one call: verify the tree, walk it (at each node of the path the pick "
+           "at its position: keyed sample, or argmax at temperature 0; then the child carrying "
+           "it), commit the path (unless commit=False). Returns (path, picks), and the logits "
+           "[N, V] last when logits=True. The picks are the tokens the round emits.")
       .def("commit", [](Engine& e, py::handle path, bool fold_in_background) {
              std::vector<int> p = as_ints(path, "path");
              py::gil_scoped_release release;

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "kernels/kernels.h"
+#include "sampler.h"
 #include "thread_pool.h"
 #include "tree.h"
 
@@ -196,6 +197,20 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
   return logits;
 }
 
+Walk Engine::verify_walk(const std::vector<int>& tokens, const std::vector<int>& parents,
+                         const SampleParams& p, bool commit_path, bool fold_in_background,
+                         std::vector<float>* logits) {
+  check_sample_params(p);  // before any change of state
+  Use use(*this);
+  join_fold();
+  const uint64_t base = uint64_t(be_->length());
+  std::vector<float> z = verify(tokens, parents);
+  Walk w = walk_tree(z.data(), dims_.vocab, tokens, parents, base, p, threads_);
+  if (commit_path) commit(w.path, fold_in_background);
+  if (logits) *logits = std::move(z);
+  return w;
+}
+
 std::vector<std::vector<float>> Engine::verify_many(const std::vector<Engine*>& engines,
                                                     const std::vector<std::vector<int>>& tokens,
                                                     const std::vector<std::vector<int>>& parents) {
@@ -279,18 +294,6 @@ void Engine::commit(const std::vector<int>& path, bool fold_in_background) {
   if (fold_in_background && threads_ > 1 && dims_.n_attn() < dims_.n_layers())
     fold_running_ = start_background([this] { be_->fold_pending(1); });
 }
-
-namespace {
-
-// SplitMix64's finaliser, as sampling.mix64.
-uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 // The draft's pick from one row of logits: argmax, or the keyed Gumbel-max sample among the
 // `top` best ids (as sampling.sample without filters; the tail beyond `top` is left out, which

@@ -11,6 +11,7 @@
 #include "backend.h"
 #include "exclusive.h"
 #include "model.h"
+#include "sampler.h"
 #include "thread_pool.h"
 
 namespace sapwood {
@@ -57,6 +58,13 @@ class Engine {
   std::vector<float> prefill(const std::vector<int>& tokens, bool all_rows);
   // Score a tree (node 0 = root at position P); committed state unchanged. [N][V].
   std::vector<float> verify(const std::vector<int>& tokens, const std::vector<int>& parents);
+  // verify(tokens, parents), then the walk over its logits (sampler.h walk_tree: the pick at
+  // each node of the path at its position, keyed sampling or argmax), then, if `commit`,
+  // commit(path, fold_in_background): a round in one call, the logits left in the engine
+  // unless `logits` asks for them ([N][V]).
+  Walk verify_walk(const std::vector<int>& tokens, const std::vector<int>& parents,
+                   const SampleParams& p, bool commit, bool fold_in_background = false,
+                   std::vector<float>* logits = nullptr);
   // fold_in_background: fold the committed GDN steps (which the next verify would fold
   // first) on a pool worker while the caller goes on, e.g. drafting on its own thread; the
   // next call that touches the GDN state waits for it. The same bits either way.

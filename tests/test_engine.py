@@ -197,7 +197,7 @@ def test_sampled_draft_chain_follows_the_keyed_sampler(ckpt):
     """At temperature > 0 the chain's pick from each row is the keyed Gumbel-max sample among
     the row's best kDraftSampleTop (256) ids (here all of them), and each row still equals the
     chain's verify."""
-    from sapwood.sampling import keyed_uniform
+    from sapwood.reference.sampling import keyed_uniform
 
     eng = sapwood.load(ckpt, weights="q8").engine
     eng.prefill(prompt(13, seed=3))

@@ -156,10 +156,11 @@ def lattice(rows=6, k=4, seed=0):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_walk_follows_the_targets_pick_at_every_node(seed):
-    """The decoder's greedy walk (one argmax call for all nodes) against the sampler's greedy
-    pick made node by node: the same path and picks; NaN logits rejected."""
-    from sapwood.generate import DecodeConfig, Decoder
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.9, top_p=0.9, seed=5)])
+def test_walk_follows_the_targets_pick_at_every_node(seed, params):
+    """The engine's walk (_core.walk, what Engine.verify_walk runs) against the sampler's pick
+    made node by node in Python: the same path and picks; NaN logits on the path rejected."""
+    from sapwood import _core
     from sapwood.sampling import sample
     rng = np.random.default_rng(seed)
     lat = lattice(seed=seed)
@@ -171,20 +172,21 @@ def test_greedy_walk_follows_the_targets_pick_at_every_node(seed):
         if kids.size == 0:
             break
         node = int(rng.choice(kids))
-        logits[tree.parents[node], tree.tokens[node]] = 10.0
+        logits[tree.parents[node], tree.tokens[node]] = 30.0
+    base = int(rng.integers(0, 5000))
     want_path, want_picks, node = [0], [], 0
     while True:
-        want_picks.append(sample(logits[node], 0, temperature=0.0))
+        want_picks.append(sample(logits[node], base + len(want_path), **params))
         kids = [c for c in np.flatnonzero(tree.parents == node) if tree.tokens[c] == want_picks[-1]]
         if not kids:
             break
         node = int(kids[0])
         want_path.append(node)
-    dec = Decoder(None, None, DecodeConfig())  # _walk needs no engine
-    assert dec._walk(tree, logits) == (want_path, want_picks)
+    assert _core.walk(logits, tree.tokens, tree.parents, base, **params) == (want_path,
+                                                                             want_picks)
     logits[want_path[-1], 3] = np.nan
     with pytest.raises(ValueError, match="NaN"):
-        dec._walk(tree, logits)
+        _core.walk(logits, tree.tokens, tree.parents, base, **params)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -510,6 +512,10 @@ def test_auto_falls_back_to_plain_rounds_when_speculation_loses(models):
             now[0] += 1e-3 * (1 + len(tokens) / 4)
             return eng.verify(tokens, parents)
 
+        def verify_walk(self, tokens, parents, **kw):
+            now[0] += 1e-3 * (1 + len(tokens) / 4)
+            return eng.verify_walk(tokens, parents, **kw)
+
     widths = []
     dec = Decoder(Timed(), WrongDrafter(len(p)), DecodeConfig(max_tokens=80, verify="auto"),
                   policy=Policy(), on_round=lambda t, path, s: widths.append(t.width),
@@ -610,3 +616,36 @@ def test_a_second_process_starts_from_the_first_ones_calibration(models, tmp_pat
     monkeypatch.setenv("SAPWOOD_POLICY_CACHE", "0")
     env_off = sapwood.load(root / "target", max_context=512)
     assert not env_off.speculation_policy(env_off.resolve_drafter(str(root / "draft"))).costs.t
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.8, top_k=20, top_p=0.9, seed=3)])
+def test_verify_walk_is_verify_then_walk_then_commit(models, params):
+    """Engine.verify_walk (a round in one call) against its three steps: the same path, picks
+    and logits, and the same state after; commit=False commits nothing; bad parameters raise
+    with the value and leave the engine usable."""
+    from sapwood import _core
+    target, _ = models
+    eng = target.engine
+    eng.reset()
+    eng.prefill(prompt(10, seed=2))
+    tree = grow(7, random_lattice(6, 4, 9, vocab=240), 12)
+    snap = eng.snapshot()
+    logits = eng.verify(tree.tokens, tree.parents)
+    want = _core.walk(logits, tree.tokens, tree.parents, eng.position, **params)
+    eng.commit(want[0])
+    after = eng.verify([5], [-1])
+    eng.restore(snap)
+    path, picks, z = eng.verify_walk(tree.tokens, tree.parents, logits=True, **params)
+    assert (path, picks) == want and len(path) >= 1
+    np.testing.assert_array_equal(z, logits)
+    assert eng.position == snap.position + len(path)
+    np.testing.assert_array_equal(eng.verify([5], [-1]), after)
+    eng.restore(snap)
+    assert eng.verify_walk(tree.tokens, tree.parents, commit=False, **params) == want
+    assert eng.position == snap.position
+    for bad, value in ((dict(temperature=-1.0), "-1"), (dict(top_p=0.0), "0"),
+                       (dict(min_p=2.0), "2")):
+        with pytest.raises(ValueError, match=value):
+            eng.verify_walk(tree.tokens, tree.parents, **bad)
+    assert eng.position == snap.position
+    assert eng.verify_walk(tree.tokens, tree.parents, **params) == want

@@ -115,9 +115,9 @@ def test_greedy_treats_a_non_finite_row_as_sampling_does(row, match):
         d._pick(row, 0, None)  # was token 0 forever for the all -inf row
     with pytest.raises(ValueError, match=match):
         Decoder(None, None, DecodeConfig(params=SamplingParams(temperature=0.7)))._pick(row, 0, [])
-    tree = type("T", (), {"child": staticmethod(lambda node, tok: -1)})()
-    with pytest.raises(ValueError, match=match):
-        d._walk_greedy(tree, row[None, :])
+    from sapwood import _core
+    with pytest.raises(ValueError, match=match):  # the engine's walk (Engine.verify_walk)
+        _core.walk(row[None, :], [5], [-1], 0)
 
 
 @pytest.mark.parametrize("prompt, match", [

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from sapwood.sampling import (SamplingParams, apply_penalties, filtered_probs, keyed_uniform,
-                              mix64, sample)
+from sapwood.reference.sampling import keyed_uniform, mix64
+from sapwood.sampling import SamplingParams, apply_penalties, filtered_probs, sample
 
 MASK = 2 ** 64 - 1
 
@@ -213,3 +213,90 @@ def test_penalties_by_hand():
     np.testing.assert_array_equal(x, before)           # input untouched
     with pytest.raises(ValueError, match="5"):
         apply_penalties(x, [5], SamplingParams(presence_penalty=1.0))
+
+
+# The engine's sampler (csrc/sampler.cpp) against the oracle (reference/sampling.py), token for
+# token with ==: same scaled logits, same integer top-p weights, same libm exp/log, so any
+# difference is a bug, not rounding. Rows span flat (every id needs its noise), peaked (most
+# ids ruled out by the noise bound), tied (the order's tie rule) and -inf-masked logits.
+ORACLE_MODES = {
+    "greedy": dict(temperature=0.0),
+    "plain": dict(temperature=0.8),
+    "cold": dict(temperature=1e-3),
+    "hot": dict(temperature=50.0),
+    "top_k_1": dict(temperature=1.0, top_k=1),
+    "top_k_40": dict(temperature=0.7, top_k=40),
+    "top_k_all_but_one": dict(temperature=0.7, top_k=2999),
+    "top_p_95": dict(temperature=0.8, top_p=0.95),
+    "top_p_half": dict(temperature=1.0, top_p=0.5),
+    "top_p_tiny": dict(temperature=1.0, top_p=1e-9),
+    "top_p_almost_1": dict(temperature=1.0, top_p=1 - 1e-12),
+    "min_p": dict(temperature=0.9, min_p=0.05),
+    "min_p_1": dict(temperature=0.9, min_p=1.0),
+    "all": dict(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02),
+}
+
+
+def oracle_rows(rng, v=3000):
+    flat = rng.normal(size=(4, v)) * 0.05
+    normal = rng.normal(size=(4, v))
+    peaked = rng.normal(size=(4, v)) * 8
+    tied = np.round(rng.normal(size=(4, v)) * 2)        # many exact ties, at every cut
+    masked = rng.normal(size=(4, v)) * 3
+    masked[rng.random(masked.shape) < 0.5] = -np.inf
+    return np.concatenate([flat, normal, peaked, tied, masked]).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", list(ORACLE_MODES))
+def test_engine_sampler_draws_the_oracles_tokens(name):
+    from sapwood.reference import sampling as oracle
+    mode = ORACLE_MODES[name]
+    rng = np.random.default_rng(abs(hash(name)) % 2 ** 32)
+    x = oracle_rows(rng)
+    pos = rng.integers(0, 2 ** 40, size=len(x))
+    seed = int(rng.integers(0, 2 ** 63))
+    for rows in (x, x.astype(np.float64)):
+        got = sample(rows, pos, seed=seed, **mode)
+        want = oracle.sample(rows.astype(np.float64), pos.astype(np.uint64), seed=seed, **mode)
+        np.testing.assert_array_equal(got, want)
+    if name not in ("greedy", "cold", "top_k_1", "top_p_tiny", "min_p_1"):  # not argmax alone
+        assert (got != x.argmax(axis=1)).sum() >= 3, "the rows should not all draw the argmax"
+
+
+@pytest.mark.parametrize("name", ["plain", "top_p_95", "all"])
+def test_engine_sampler_at_the_real_vocabulary(name):
+    """Qwen3.5's vocabulary (248,320): a random checkpoint's logits (std ~1: top-p 0.95 keeps
+    most of the vocabulary) and a peaked row."""
+    from sapwood.reference import sampling as oracle
+    rng = np.random.default_rng(3)
+    x = np.stack([rng.normal(size=248_320), rng.normal(size=248_320) * 6]).astype(np.float32)
+    pos = np.array([17, 2 ** 33 + 1], dtype=np.uint64)
+    got = sample(x, pos, seed=11, **ORACLE_MODES[name])
+    want = oracle.sample(x.astype(np.float64), pos, seed=11, **ORACLE_MODES[name])
+    np.testing.assert_array_equal(got, want)
+
+
+def test_top_p_weights_are_integers_summed_exactly():
+    """Top-p's cut depends on the set of ranks before it, not on a summation order: a row and
+    its permutation keep the same ids (permuted)."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=4000)
+    perm = rng.permutation(4000)
+    p = filtered_probs(x, 1.0, top_p=0.9)
+    q = filtered_probs(x[perm], 1.0, top_p=0.9)
+    np.testing.assert_array_equal(p[perm] > 0, q > 0)
+    assert 0 < (p > 0).sum() < 4000
+
+
+@pytest.mark.parametrize("top_p,kept", [(0.5, {0, 1}), (0.5 + 2 ** -32, {0, 1, 2}), (0.25, {0}),
+                                        (0.75, {0, 1, 2}), (1.0, {0, 1, 3})])
+def test_top_p_cut_where_the_sum_reaches_p_exactly(top_p, kept):
+    """Equal logits have weight 2^40 each (e^0 is exact): the sum before rank r reaches p at an
+    exact integer, where a '<' written as '<=' would keep one id more. -inf at id 2 when p = 1."""
+    x = np.zeros((300, 4), dtype=np.float32)
+    if top_p == 1.0:
+        x[:, 2] = -np.inf
+    toks = sample(x, np.arange(300), seed=4, temperature=1.0, top_p=top_p)
+    assert set(toks.tolist()) == kept
+    np.testing.assert_array_equal(filtered_probs(x[0], 1.0, top_p=top_p) > 0,
+                                  [i in kept for i in range(4)])

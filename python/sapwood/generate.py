@@ -17,6 +17,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import _core
 from . import tree as trees
 from .policy import Policy, band_of
 from .sampling import SamplingParams, apply_penalties, check_logits, sample
@@ -90,6 +91,14 @@ class DecodeConfig:
             raise ValueError(f"rows must be in [1, 32], got {self.rows!r}")
         self.params.validate()
         return self
+
+
+def walk_and_commit(engine, logits, tokens, parents, fold_in_background=False, **sampling):
+    """Engine.verify_walk's walk and commit over logits already computed (a calibration's, a
+    batched verify's): (path, picks)."""
+    path, picks = _core.walk(logits, tokens, parents, engine.position, **sampling)
+    engine.commit(path, fold_in_background=fold_in_background)
+    return path, picks
 
 
 def _root_tree(root: int) -> trees.Tree:
@@ -256,26 +265,16 @@ class Decoder:
                     # plain round, timed and judged as one, not a speculative round that kept
                     # nothing
                     mode = "plain"
-                if mode in ("off", "plain"):  # the root alone: no tree, no walk
+                if mode in ("off", "plain"):  # the root alone: no tree
                     tree, wide, calibration, learn_from = None, False, False, None
-                    t = self.clock()
-                    logits = eng.verify([root], [-1])
-                    self.verify_s = self.clock() - t
-                    hist = None if self._tree_eligible else self.context + [root]
-                    picks, path = [self._pick(logits[0], eng.position + 1, hist)], [0]
-                    eng.commit(path)
+                    path, picks = self._verify_walk(_root_tree(root), None, False)
                     committed = [root]
                 else:
                     tree, wide, logits, learn_from = self._build(root, mode, room, emit)
                     calibration = logits is not None
-                    if not calibration:
-                        t = self.clock()
-                        logits = eng.verify(tree.tokens, tree.parents)
-                        self.verify_s = self.clock() - t
-                    path, picks = self._walk(tree, logits)
                     # a draft model drafts next, on this thread: the target's worker folds
                     # the committed GDN steps meanwhile, which the next verify would fold
-                    eng.commit(path, fold_in_background=self._drafts_on_own_thread)
+                    path, picks = self._verify_walk(tree, logits, self._drafts_on_own_thread)
                     # the path's tokens: the root, then each pick that found its child
                     committed = [root] + picks[:-1]
                 self.context.extend(committed)
@@ -367,37 +366,40 @@ class Decoder:
             self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0
 
-    def _walk(self, tree, logits):
-        """From the root, follow the child whose token is the target's pick at each node.
-        Returns the path (node indices) and the picks made along it (len(path) of them)."""
-        if self._greedy:
-            return self._walk_greedy(tree, logits)
+    def _verify_walk(self, tree, logits, fold_in_background):
+        """Verify the round's tree (unless `logits`, a calibration's, already scored it), walk
+        it and commit the path: (path, picks). One engine call (Engine.verify_walk: the picks
+        made in the engine, no logits copied out) unless penalties need the path's history.
+        self.verify_s: the verify's time, the walk and commit in it when they are one call."""
+        eng, p = self.engine, self.cfg.params
+        walk_kw = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                       min_p=p.min_p, seed=p.seed)
+        if logits is None and self._tree_eligible:
+            t = self.clock()
+            path, picks = eng.verify_walk(tree.tokens, tree.parents,
+                                          fold_in_background=fold_in_background, **walk_kw)
+            self.verify_s = self.clock() - t
+            return path, picks
+        if logits is None:
+            t = self.clock()
+            logits = eng.verify(tree.tokens, tree.parents)
+            self.verify_s = self.clock() - t
+        if self._tree_eligible:
+            return walk_and_commit(eng, logits, tree.tokens, tree.parents, fold_in_background,
+                                   **walk_kw)
+        path, picks = self._walk_penalised(tree, logits)
+        eng.commit(path, fold_in_background=fold_in_background)
+        return path, picks
+
+    def _walk_penalised(self, tree, logits):
+        """The walk with penalties: each node's pick sees the context and the path to it
+        (_core.walk's, with apply_penalties before each pick)."""
         path, node, picks = [0], 0, []
         base = self.engine.position
         while True:
             depth = len(path) - 1
-            hist = None
-            if not self._tree_eligible:
-                hist = self.context + [int(tree.tokens[n]) for n in path]
+            hist = self.context + [int(tree.tokens[n]) for n in path]
             pick = self._pick(logits[node], base + depth + 1, hist)
-            picks.append(pick)
-            child = tree.child(node, pick)
-            if child < 0:
-                return path, picks
-            path.append(child)
-            node = child
-
-    @staticmethod
-    def _walk_greedy(tree, logits):
-        """_walk at temperature 0: every node's argmax in one call (each row's is the pick
-        _pick takes of it alone), then the walk over them: a call of _pick per walked node
-        costs more than the argmax of every row at once."""
-        best = logits.argmax(axis=1).tolist()
-        path, node, picks = [0], 0, []
-        while True:
-            pick = best[node]
-            if not math.isfinite(logits[node, pick]):  # a row's argmax is NaN if it has one
-                check_logits(logits[node])
             picks.append(pick)
             child = tree.child(node, pick)
             if child < 0:

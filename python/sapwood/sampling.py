@@ -1,20 +1,8 @@
-"""Sampling keyed by (seed, position, id): see DESIGN.md, "Sampling keyed by (seed, position, id)".
+"""Sampling keyed by (seed, position, id): see DESIGN.md and the spec in reference/sampling.py.
 
-    mix(z): z += 0x9E3779B97F4A7C15; z = (z ^ z>>30) * 0xBF58476D1CE4E5B9;
-            z = (z ^ z>>27) * 0x94D049BB133111EB; return z ^ z>>31      (all mod 2^64)
-    u = ((mix(mix(mix(seed) ^ position) ^ id) >> 11) + 0.5) * 2^-53      # in (0, 1)
-    token = argmax over kept ids of  logits[id]/T - log(-log(u))         # ties: lower id
-
-This is the Gumbel-max trick: the argmax is an exact draw from the filtered distribution, and since
-the noise depends only on (seed, position, id) -- not on how many draws came before -- a tree node
-draws the same token that chain or plain decoding would draw at that position.
-
-Order of filters (one code path, `_kept`, shared by `sample` and `filtered_probs` so they cannot
-drift): scale logits by 1/T; top-k keeps the k largest (ties: lower id); top-p keeps the smallest
-prefix, in descending probability of the scaled logits renormalised over the top-k set, whose sum
-reaches p; min-p drops ids whose probability is below min_p times the largest probability; then
-Gumbel-max with the keyed noise over the kept ids. T = 0 is plain argmax. Ties go to the lower id
-everywhere (stable sorts, and np.argmax returns the first maximum).
+`sample` runs the engine's sampler (csrc/sampler.cpp: selection instead of a sort of the
+vocabulary, noise only where it can win), which draws the reference's tokens bit for bit.
+Ties go to the lower id everywhere. T = 0 is plain argmax.
 """
 from __future__ import annotations
 
@@ -23,40 +11,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S11 = (np.uint64(s) for s in (30, 27, 31, 11))
-
-
-def mix64(z) -> np.ndarray:
-    """SplitMix64 finaliser on uint64 arrays, all arithmetic mod 2^64."""
-    z = np.asarray(z, dtype=np.uint64)
-    # Wraparound is the point of the hash; numpy warns on overflow for 0-d/scalar uint64 ops.
-    with np.errstate(over="ignore"):
-        z = z + _GAMMA
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        return np.asarray(z ^ (z >> _S31), dtype=np.uint64)
-
-
-def _as_u64(x, what: str) -> np.ndarray:
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be integers, got dtype {a.dtype}")
-    if a.dtype.kind == "i" and a.size and a.min() < 0:
-        raise ValueError(f"{what} must be >= 0, got {int(a.min())}")
-    return a.astype(np.uint64)
-
-
-def keyed_uniform(seed, position, ids) -> np.ndarray:
-    """u in (0, 1) per (seed, position, id); seed, position and ids broadcast together."""
-    s, p, i = (_as_u64(x, w) for x, w in ((seed, "seed"), (position, "position"), (ids, "ids")))
-    h = mix64(mix64(mix64(s) ^ p) ^ i)
-    # The top 53 bits are exact in float64; +0.5 keeps u strictly inside (0, 1) so log(-log(u))
-    # is finite.
-    return ((h >> _S11).astype(np.float64) + 0.5) * 2.0 ** -53
-
+from . import _core
+from .reference import sampling as reference
+from .reference.sampling import as_u64
 
 # Ranges of the numbers a request may set. Logits reach the sampler as finite float32 of magnitude
 # at most 1e30 (loading refuses an LM head whose weights could give more: loading.MAX_LOGIT_BOUND),
@@ -65,7 +22,7 @@ def keyed_uniform(seed, position, ids) -> np.ndarray:
 # presence and frequency penalties within OpenAI's [-2, 2] move a logit by at most
 # 2 + 2 * count <= 2 + 2 * 2**24 (the context's limit). Every penalised row is therefore finite:
 # an unbounded penalty (r = 1e-300 passed the old "> 0") turned seen tokens' logits into +inf and
-# made every pick raise. Temperature needs no upper bound: _scaled shifts each row by its max
+# made every pick raise. Temperature needs no upper bound: the sampler shifts each row by its max
 # before dividing, so any finite T >= 0 gives finite or -inf (probability 0) scores, never +inf
 # or NaN. top_k at most 2**31 - 1: token ids are int32 in the engine, so no vocabulary is larger
 # (a k at or past the vocabulary's size keeps every id).
@@ -140,49 +97,12 @@ def check_logits(logits) -> np.ndarray:
     return x
 
 
-def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
-    """[N, V] float64 -> (x - rowmax) / T. The shift is a per-row constant, so the argmax of
-    scaled + noise is the same as for x / T, but tiny T cannot overflow to inf - inf = NaN."""
-    with np.errstate(over="ignore"):
-        return (x - x.max(axis=1, keepdims=True)) / temperature
-
-
-def _kept(s: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """[N, V] scaled logits (row max 0) -> bool [N, V] kept set; never empty (the max survives
-    every filter: top-k k >= 1, top-p's first id, min-p's ratio 1 >= min_p)."""
-    n, v = s.shape
-    if not 0 < top_k < v and top_p >= 1.0 and min_p <= 0.0:
-        return np.isfinite(s)  # no filter: skip the sort (a pick per token pays for it)
-    order = np.argsort(-s, axis=1, kind="stable")  # descending, ties: lower id first
-    ss = np.take_along_axis(s, order, axis=1)
-    keep = np.isfinite(ss)                          # -inf logits have probability 0
-    if 0 < top_k < v:
-        keep[:, top_k:] = False
-    if top_p < 1.0:  # skipped at 1: rounding in the cumsum must not drop tail ids
-        w = np.where(keep, np.exp(ss), 0.0)
-        w /= w.sum(axis=1, keepdims=True)           # renormalised over the top-k set
-        before = np.concatenate([np.zeros((n, 1)), np.cumsum(w, axis=1)[:, :-1]], axis=1)
-        keep &= before < top_p                      # smallest prefix whose sum reaches p
-    if min_p > 0.0:
-        keep &= np.exp(ss) >= min_p                 # p_i / p_max = exp(s_i - 0)
-    out = np.empty_like(keep)
-    np.put_along_axis(out, order, keep, axis=1)
-    return out
-
-
 def filtered_probs(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
     """The exact distribution `sample` draws from: same shape as logits ([V] or [N, V]),
     0 outside the kept set, renormalised inside it. T = 0 is one-hot at the argmax."""
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).validate()
     x = check_logits(logits)
-    x2 = np.atleast_2d(x)
-    if temperature == 0:
-        p = np.zeros_like(x2)
-        p[np.arange(len(x2)), x2.argmax(axis=1)] = 1.0
-    else:
-        s = _scaled(x2, temperature)
-        p = np.where(_kept(s, top_k, top_p, min_p), np.exp(s), 0.0)
-        p /= p.sum(axis=1, keepdims=True)
+    p = reference.filtered_probs(np.atleast_2d(x), temperature, top_k, top_p, min_p)
     return p.reshape(x.shape)
 
 
@@ -191,23 +111,20 @@ def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, mi
     `position` is the index the sampled token will have in the sequence (prompt included)."""
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    seed=seed).validate()
-    x = check_logits(logits)
+    x = np.asarray(logits)
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"logits shape {x.shape}: must be [V] or [N, V] with V > 0")
     pos = np.asarray(positions)
     if x.ndim == 1 and pos.ndim != 0:
         raise ValueError(f"positions shape {pos.shape}: logits [V] take one int position")
     if x.ndim == 2 and pos.shape != (x.shape[0],):
         raise ValueError(f"positions shape {pos.shape}: must be ({x.shape[0]},) for logits "
                          f"shape {x.shape}")
-    pos = _as_u64(pos, "positions")
-    x2 = np.atleast_2d(x)
-    if temperature == 0:
-        tok = x2.argmax(axis=1)
-    else:
-        s = _scaled(x2, temperature)
-        u = keyed_uniform(seed, pos.reshape(-1, 1), np.arange(x2.shape[1])[None, :])
-        score = np.where(_kept(s, top_k, top_p, min_p), s - np.log(-np.log(u)), -np.inf)
-        tok = score.argmax(axis=1)                  # first maximum: ties to the lower id
-    tok = tok.astype(np.int64)
+    pos = as_u64(pos, "positions").reshape(-1)
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float64)  # exact for every float16 and int32; what check_logits takes
+    tok = _core.sample(np.ascontiguousarray(np.atleast_2d(x)), pos, float(temperature),
+                       int(top_k), float(top_p), float(min_p), int(seed))
     return int(tok[0]) if x.ndim == 1 else tok
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters import ModelDrafter
-from ..generate import DecodeConfig, Decoder, GenerationStats
+from ..generate import DecodeConfig, Decoder, GenerationStats, walk_and_commit
 from ..reference.ranking import logsumexp
 from ..sampling import SamplingParams
 from ..textstream import IncrementalText
@@ -140,6 +140,14 @@ class _Recorder:
         else:
             self._last = self._engine.verify(tokens, parents)
         return self._last
+
+    def verify_walk(self, tokens, parents, fold_in_background=False, **sampling):
+        """Engine.verify_walk, with the verify batched and its rows kept as verify()'s."""
+        if not self.decoding and not self._keep:
+            return self._engine.verify_walk(tokens, parents,
+                                            fold_in_background=fold_in_background, **sampling)
+        return walk_and_commit(self._engine, self.verify(tokens, parents), tokens, parents,
+                               fold_in_background, **sampling)
 
     def first(self, logits) -> None:
         """The prompt is in: the decode loop starts."""

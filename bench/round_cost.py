@@ -1,0 +1,112 @@
+"""What a decoding round costs outside the engine, at a checkpoint's real vocabulary.
+
+Two measures, side by side in one run (issue 53):
+- plain decoding, greedy against sampled (temperature 0.8, top_p 0.95): decode ms per token,
+  alternated repetitions, medians and ranges, and their ratio;
+- a sampled tree run (verify="tree", width 16, the checkpoint's MTP head, else prompt lookup):
+  engine calls per round and the share of the decode time spent outside them.
+
+    python bench/round_cost.py /tmp/qwen35-0.8b --tokens 48 --reps 3 --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+import sapwood
+from sapwood.generate import DecodeConfig, Decoder
+from sapwood.sampling import SamplingParams
+
+SAMPLED = dict(temperature=0.8, top_p=0.95, seed=1)
+
+
+class Counted:
+    """An engine-like object whose method calls are counted and timed into `log`."""
+
+    def __init__(self, inner, log):
+        self._inner, self._log = inner, log
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                self._log.append((name, time.perf_counter() - t))
+        return call
+
+
+def plain_ms(model, prompt, tokens, reps):
+    out = {"greedy": [], "sampled": []}
+    for _ in range(reps):
+        for kind, kw in (("greedy", {}), ("sampled", SAMPLED)):
+            r = model.generate(prompt, max_tokens=tokens, verify="off", **kw)
+            out[kind].append(1e3 / r.stats.decode_tokens_per_s)
+    return out
+
+
+def tree_run(model, prompt, tokens, width):
+    drafter = model.resolve_drafter("mtp" if model.mtp is not None else "lookup")
+    log = []
+    if hasattr(drafter, "head"):
+        drafter.head = Counted(drafter.head, log)
+        drafter.engine = Counted(drafter.engine, log)
+    cfg = DecodeConfig(max_tokens=tokens, params=SamplingParams(**SAMPLED), verify="tree",
+                       width=width)
+    model.engine.reset()
+    dec = Decoder(Counted(model.engine, log), drafter, cfg)
+    t0 = time.perf_counter()
+    ids = list(dec.run(prompt))
+    total = time.perf_counter() - t0
+    st = dec.stats
+    decode_calls = log[1:]  # the prompt's prefill first
+    inside = sum(s for _, s in decode_calls)
+    names = sorted({n for n, _ in decode_calls})
+    return {"drafter": type(drafter).__name__, "tokens": len(ids), "rounds": st.cycles,
+            "engine_calls_per_round": len(decode_calls) / max(st.cycles, 1),
+            "calls": {n: sum(1 for m, _ in decode_calls if m == n) for n in names},
+            "decode_s": st.decode_s, "outside_engine_share": 1 - inside / st.decode_s,
+            "total_s": total, "tokens_per_cycle": st.tokens_per_cycle}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--weights", default="q8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    model = sapwood.load(a.checkpoint, weights=a.weights, threads=a.threads)
+    model.generation_config["eos_token_id"] = []  # random weights would stop anywhere
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1000, 20000, 32)]
+    plain = plain_ms(model, prompt, a.tokens, a.reps)
+    tree = tree_run(model, prompt, a.tokens, a.width)
+    res = {"checkpoint": os.path.basename(a.checkpoint.rstrip("/")), "weights": a.weights,
+           "threads": a.threads, "vocab": model.config.vocab_size, "cpu": platform.processor(),
+           "load_avg": os.getloadavg(), "plain_ms_per_token": plain,
+           "sampled_over_greedy": float(np.median(plain["sampled"]) / np.median(plain["greedy"])),
+           "tree": tree}
+    for k, v in plain.items():
+        print(f"plain {k:8s} {np.median(v):7.2f} ms/token  [{min(v):.2f}-{max(v):.2f}]")
+    print(f"sampled / greedy: x{res['sampled_over_greedy']:.3f}")
+    print(f"tree w{a.width} ({tree['drafter']}): {tree['engine_calls_per_round']:.2f} engine calls "
+          f"a round {tree['calls']}, {100 * tree['outside_engine_share']:.1f}% of decode outside them")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
