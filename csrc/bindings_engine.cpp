@@ -15,6 +15,34 @@ using namespace sapwood;
 
 namespace {
 
+// The sampler's keyword arguments (sampling.SamplingParams' names, plus the penalties'
+// history); an unknown one is an error, not ignored.
+SampleParams sampling_kwargs(const py::kwargs& kw) {
+  SampleParams p;
+  for (const auto& [key, value] : kw) {
+    const std::string k = py::str(key);
+    auto num = [&](auto* field) {
+      try {
+        *field = value.cast<std::remove_pointer_t<decltype(field)>>();
+      } catch (const py::cast_error&) {
+        throw InputError(cat(k, "=", std::string(py::repr(value)), ": must be a number"));
+      }
+    };
+    if (k == "temperature") num(&p.temperature);
+    else if (k == "top_k") num(&p.top_k);
+    else if (k == "top_p") num(&p.top_p);
+    else if (k == "min_p") num(&p.min_p);
+    else if (k == "seed") num(&p.seed);
+    else if (k == "repetition_penalty") num(&p.repetition_penalty);
+    else if (k == "presence_penalty") num(&p.presence_penalty);
+    else if (k == "frequency_penalty") num(&p.frequency_penalty);
+    else if (k == "history") p.history = as_ints(value, "history");
+    else throw InputError(cat("unknown sampling argument '", k, "'"));
+  }
+  check_sample_params(p);
+  return p;
+}
+
 py::tuple walk_result(const Walk& w) {
   return py::make_tuple(py::cast(w.path), py::cast(w.picks));
 }
@@ -26,14 +54,13 @@ void bind_engine(py::module_& m) {
         "The backends this build has: 'cpu', then 'metal', 'metal-emulated', 'sycl', "
         "'sycl-emulated' as built.");
   m.def("sample", [](py::array logits, py::array_t<uint64_t, py::array::c_style> positions,
-                     double temperature, int64_t top_k, double top_p, double min_p,
-                     uint64_t seed) {
+                     const py::kwargs& kw) {
           // sampling.sample has checked the parameters and the shapes
           if (logits.ndim() != 2 || positions.ndim() != 1 || positions.shape(0) != logits.shape(0))
             throw InputError(cat("sample: logits [N, V] and positions [N], got ",
                                  shape_str(logits), " and ", shape_str(positions)));
           const int n = int(logits.shape(0)), V = int(logits.shape(1));
-          const SampleParams p{temperature, top_k, top_p, min_p, seed};
+          const SampleParams p = sampling_kwargs(kw);
           py::array_t<int64_t> out(n);
           int64_t* o = out.mutable_data();
           const uint64_t* pos = positions.data();
@@ -50,13 +77,11 @@ void bind_engine(py::module_& m) {
                                  std::string(py::str(logits.dtype()))));
           return out;
         },
-        py::arg("logits"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"),
-        py::arg("top_p"), py::arg("min_p"), py::arg("seed"),
-        "The keyed sampler (sampler.h) over rows [N, V] at positions [N]: sampling.sample's "
-        "work, which checks the arguments first.");
+        py::arg("logits"), py::arg("positions"),
+        "The keyed sampler (sampler.h) over rows [N, V] at positions [N], keyword arguments "
+        "as SamplingParams' (and history, the tokens penalties count): sampling.sample's work.");
   m.def("walk", [](py::array_t<float, py::array::c_style> logits, py::handle tokens,
-                   py::handle parents, uint64_t base_position, double temperature,
-                   int64_t top_k, double top_p, double min_p, uint64_t seed) {
+                   py::handle parents, uint64_t base_position, const py::kwargs& kw) {
           const std::vector<int> t = as_ints(tokens, "tokens"), par = as_ints(parents, "parents");
           check_parents(par.data(), int(par.size()));
           if (logits.ndim() != 2 || logits.shape(0) != py::ssize_t(t.size()) ||
@@ -64,7 +89,7 @@ void bind_engine(py::module_& m) {
             throw InputError(cat("walk: logits [N, V] for N tokens and parents, got ",
                                  shape_str(logits), ", ", t.size(), " tokens and ", par.size(),
                                  " parents"));
-          const SampleParams p{temperature, top_k, top_p, min_p, seed};
+          const SampleParams p = sampling_kwargs(kw);
           Walk w;
           {
             py::gil_scoped_release release;
@@ -73,8 +98,6 @@ void bind_engine(py::module_& m) {
           return walk_result(w);
         },
         py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("base_position"),
-        py::arg("temperature") = 0.0, py::arg("top_k") = 0, py::arg("top_p") = 1.0,
-        py::arg("min_p") = 0.0, py::arg("seed") = 0,
         "(path, picks): the walk of a verified tree over its logits [N, V] from the root at "
         "base_position (Engine.verify_walk's, over logits given).");
   py::register_exception<EngineBusy>(m, "EngineBusyError", PyExc_RuntimeError);
@@ -168,13 +191,12 @@ void bind_engine(py::module_& m) {
            },
            py::arg("tokens"), py::arg("parents"),
            "Logits [N, V] of a tree; node 0 is the root at the current position.")
-      .def("verify_walk", [](Engine& e, py::handle tokens, py::handle parents,
-                             double temperature, int64_t top_k, double top_p, double min_p,
-                             uint64_t seed, bool commit, bool fold_in_background,
-                             bool return_logits) {
+      .def("verify_walk", [](Engine& e, py::handle tokens, py::handle parents, bool commit,
+                             bool fold_in_background, bool return_logits,
+                             const py::kwargs& kw) {
              const std::vector<int> t = as_ints(tokens, "tokens");
              const std::vector<int> p = as_ints(parents, "parents");
-             const SampleParams sp{temperature, top_k, top_p, min_p, seed};
+             const SampleParams sp = sampling_kwargs(kw);
              std::vector<float> z;
              Walk w;
              {
@@ -187,14 +209,13 @@ void bind_engine(py::module_& m) {
              return py::tuple(py::make_tuple(
                  res[0], res[1], to_array(std::move(z), py::ssize_t(t.size()), e.dims().vocab)));
            },
-           py::arg("tokens"), py::arg("parents"), py::arg("temperature") = 0.0,
-           py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("min_p") = 0.0,
-           py::arg("seed") = 0, py::arg("commit") = true, py::arg("fold_in_background") = false,
-           py::arg("logits") = false,
+           py::arg("tokens"), py::arg("parents"), py::arg("commit") = true,
+           py::arg("fold_in_background") = false, py::arg("logits") = false,
            "A round in one call: verify the tree, walk it (at each node of the path the pick "
            "at its position: keyed sample, or argmax at temperature 0; then the child carrying "
-           "it), commit the path (unless commit=False). Returns (path, picks), and the logits "
-           "[N, V] last when logits=True. The picks are the tokens the round emits.")
+           "it), commit the path (unless commit=False). Sampling keyword arguments as "
+           "SamplingParams' names, plus history (the context penalties count; the walk adds "
+           "the path). Returns (path, picks), and the logits [N, V] last when logits=True.")
       .def("commit", [](Engine& e, py::handle path, bool fold_in_background) {
              std::vector<int> p = as_ints(path, "path");
              py::gil_scoped_release release;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "common.h"
@@ -298,42 +299,100 @@ void check_sample_params(const SampleParams& p) {
   SW_CHECK(p.top_k >= 0, "top_k=", p.top_k, ": must be >= 0 (0 disables)");
   SW_CHECK(p.top_p > 0.0 && p.top_p <= 1.0, "top_p=", p.top_p, ": must be in (0, 1]");
   SW_CHECK(p.min_p >= 0.0 && p.min_p <= 1.0, "min_p=", p.min_p, ": must be in [0, 1]");
+  SW_CHECK(p.repetition_penalty >= 0.01 && p.repetition_penalty <= 100.0, "repetition_penalty=",
+           p.repetition_penalty, ": must be in [0.01, 100] (1 is off)");
+  SW_CHECK(p.presence_penalty >= -2.0 && p.presence_penalty <= 2.0, "presence_penalty=",
+           p.presence_penalty, ": must be in [-2, 2] (0 is off)");
+  SW_CHECK(p.frequency_penalty >= -2.0 && p.frequency_penalty <= 2.0, "frequency_penalty=",
+           p.frequency_penalty, ": must be in [-2, 2] (0 is off)");
 }
 
+namespace {
+
+using Counts = std::unordered_map<int, int64_t>;
+
+Counts count_history(const std::vector<int>& history, int V) {
+  Counts c;
+  for (size_t i = 0; i < history.size(); ++i) {
+    SW_CHECK(history[i] >= 0 && history[i] < V, "history[", i, "] = ", history[i],
+             ": token ids must be in [0, ", V, ")");
+    ++c[history[i]];
+  }
+  return c;
+}
+
+// sampling.apply_penalties on a copy of the row, in the row's precision as numpy computes it:
+// repetition divides a positive logit by r (multiplies a negative one), then presence and
+// frequency subtract T(presence + frequency * count), for the ids in the history.
 template <class T>
-void sample_rows(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
-                 int64_t* out, int threads) {
+const T* penalised(const T* row, int V, const Counts& counts, const SampleParams& p) {
+  thread_local std::vector<T> out;
+  out.assign(row, row + V);
+  const T r = T(p.repetition_penalty);
+  for (const auto& [id, count] : counts) {
+    T& x = out[size_t(id)];
+    if (p.repetition_penalty != 1.0) x = x > 0 ? x / r : x * r;
+    x -= T(p.presence_penalty * 1.0 + p.frequency_penalty * double(count));
+  }
+  return out.data();
+}
+
+// sample_rows over checked parameters, the penalties (if any) counted from `counts`.
+template <class T>
+void sample_counted(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
+                    const Counts* counts, int64_t* out, int threads) {
   // As sampling.check_logits, every row before any draw: NaN first, then +inf, then a row
-  // with nothing to sample. The first pass has no early exit, so it vectorises.
-  check_sample_params(p);
+  // with nothing to sample (penalties within their ranges keep finite logits finite). The
+  // first pass has no early exit, so it vectorises.
   const size_t total = size_t(n) * V;
   if (any_nan_or_posinf(x, total)) {
     for (size_t i = 0; i < total; ++i)
       if (x[i] != x[i]) throw InputError(cat("logits contain NaN (first at flat index ", i, ")"));
     throw InputError("logits contain +inf");
   }
-  std::vector<int> first_max(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    first_max[size_t(r)] = first_max_of(x + size_t(r) * V, V);
-    if (x[size_t(r) * V + first_max[size_t(r)]] == -T(INFINITY))
-      throw InputError("a logits row is all -inf: nothing can be sampled");
-  }
   for (int r = 0; r < n; ++r)
-    out[r] = sample_one(x + size_t(r) * V, V, first_max[size_t(r)], positions[r], p, threads);
+    if (x[size_t(r) * V + first_max_of(x + size_t(r) * V, V)] == -T(INFINITY))
+      throw InputError("a logits row is all -inf: nothing can be sampled");
+  for (int r = 0; r < n; ++r) {
+    const T* row = x + size_t(r) * V;
+    if (counts) row = penalised(row, V, *counts, p);
+    out[r] = sample_one(row, V, first_max_of(row, V), positions[r], p, threads);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void sample_rows(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
+                 int64_t* out, int threads) {
+  check_sample_params(p);
+  if (!p.penalised()) return sample_counted(x, n, V, positions, p, nullptr, out, threads);
+  const Counts counts = count_history(p.history, V);
+  sample_counted(x, n, V, positions, p, &counts, out, threads);
 }
 
 Walk walk_tree(const float* logits, int V, const std::vector<int>& tokens,
                const std::vector<int>& parents, uint64_t base_position, const SampleParams& p,
                int threads) {
+  check_sample_params(p);
   const int n = int(tokens.size());
   SW_CHECK(int(parents.size()) == n && n > 0, "walk: ", n, " tokens and ", parents.size(),
            " parents");
+  // penalties count the history, then the path's tokens down to each node
+  Counts counts;
+  if (p.penalised()) counts = count_history(p.history, V);
   Walk w;
   int node = 0;
   for (uint64_t depth = 0;; ++depth) {
     int64_t pick;
     const uint64_t position = base_position + depth + 1;
-    sample_rows(logits + size_t(node) * V, 1, V, &position, p, &pick, threads);
+    if (p.penalised()) {
+      SW_CHECK(tokens[size_t(node)] >= 0 && tokens[size_t(node)] < V, "walk: token ",
+               tokens[size_t(node)], " out of the vocabulary");
+      ++counts[tokens[size_t(node)]];
+    }
+    sample_counted(logits + size_t(node) * V, 1, V, &position, p,
+                   p.penalised() ? &counts : nullptr, &pick, threads);
     w.path.push_back(node);
     w.picks.push_back(int(pick));
     int child = -1;

@@ -21,6 +21,15 @@ struct SampleParams {
   double top_p = 1.0;        // 1: off
   double min_p = 0.0;        // 0: off
   uint64_t seed = 0;
+  // Penalties (sampling.apply_penalties), counted over `history` (and, in a walk, the path
+  // down to each node): the token ids before the position sampled.
+  double repetition_penalty = 1.0;  // 1: off
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  std::vector<int> history;
+  bool penalised() const {
+    return repetition_penalty != 1.0 || presence_penalty != 0.0 || frequency_penalty != 0.0;
+  }
 };
 
 // sampling.SamplingParams.validate's ranges, for callers that come straight here: InputError
@@ -36,8 +45,9 @@ void sample_rows(const T* x, int n, int V, const uint64_t* positions, const Samp
                  int64_t* out, int threads = 0);
 
 // The walk of a verified tree (DESIGN.md "Exactness"): from the root, the pick at each node
-// (sample_rows at that node's position, base_position + depth + 1), then the child carrying
-// it (the lowest such node), until a node has none. logits [n][V] of tokens/parents.
+// (sample_rows at that node's position, base_position + depth + 1, penalties counting the
+// history and the path's tokens through that node), then the child carrying it (the lowest
+// such node), until a node has none. logits [n][V] of tokens/parents.
 struct Walk {
   std::vector<int> path;   // node indices from the root
   std::vector<int> picks;  // the pick at each node of the path: the tokens it emits

@@ -649,3 +649,29 @@ def test_verify_walk_is_verify_then_walk_then_commit(models, params):
             eng.verify_walk(tree.tokens, tree.parents, **bad)
     assert eng.position == snap.position
     assert eng.verify_walk(tree.tokens, tree.parents, **params) == want
+
+
+def test_penalised_chain_decoding_is_the_references(models):
+    """Penalised sampling through generate (chain rounds, the engine's walk counting context
+    and path) against a token-by-token loop over the numpy oracles: apply_penalties with the
+    whole context, then the reference sampler."""
+    from sapwood.reference import sampling as oracle
+    from sapwood.sampling import SamplingParams
+    target, root = models
+    p = prompt(12, seed=5)
+    kw = dict(temperature=0.9, seed=4, repetition_penalty=1.4, presence_penalty=0.3,
+              frequency_penalty=0.2)
+    got = target.generate(p, max_tokens=20, verify="chain", drafter=str(root / "target"),
+                          **kw).tokens
+    params = SamplingParams(**kw).validate()
+    eng = target.engine
+    eng.reset()
+    logits, ctx, want = eng.prefill(p), list(p), []
+    for _ in range(20):
+        x = oracle.apply_penalties(logits, ctx, params)
+        want.append(int(oracle.sample(x[None].astype(np.float64), np.array([len(ctx)], np.uint64),
+                                      seed=4, temperature=0.9)[0]))
+        ctx.append(want[-1])
+        logits = eng.prefill([want[-1]])
+    assert got == want
+    assert got != target.generate(p, max_tokens=20, verify="off", temperature=0.9, seed=4).tokens

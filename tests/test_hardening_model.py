@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import sapwood
-from sapwood.generate import DecodeConfig, Decoder
-from sapwood.sampling import SamplingParams
+from sapwood.sampling import sample
 from sapwood.testing import make_tiny_checkpoint
 from sapwood.textstream import IncrementalText
 
@@ -100,24 +99,20 @@ def test_two_threads_one_model_raise_or_finish_exactly(model):
     assert any(kind == "ok" for kind, _, _ in outcomes)
 
 
-def _greedy_decoder():
-    return Decoder(None, None, DecodeConfig(params=SamplingParams()))
-
-
 @pytest.mark.parametrize("row, match", [
     (np.full(8, -np.inf, np.float32), "all -inf"),
     (np.array([0, np.inf, 1, 2], np.float32), r"\+inf"),
     (np.array([0, np.nan, 1, 2], np.float32), "NaN"),
 ])
 def test_greedy_treats_a_non_finite_row_as_sampling_does(row, match):
-    d = _greedy_decoder()
-    with pytest.raises(ValueError, match=match):
-        d._pick(row, 0, None)  # was token 0 forever for the all -inf row
-    with pytest.raises(ValueError, match=match):
-        Decoder(None, None, DecodeConfig(params=SamplingParams(temperature=0.7)))._pick(row, 0, [])
+    """Greedy, sampled and penalised picks, alone and in the engine's walk, refuse the row
+    (greedy once took token 0 forever for the all -inf row)."""
     from sapwood import _core
-    with pytest.raises(ValueError, match=match):  # the engine's walk (Engine.verify_walk)
-        _core.walk(row[None, :], [5], [-1], 0)
+    for kw in (dict(), dict(temperature=0.7), dict(presence_penalty=1.0, history=[1])):
+        with pytest.raises(ValueError, match=match):
+            sample(row, 0, **kw)
+        with pytest.raises(ValueError, match=match):  # the engine's walk (Engine.verify_walk)
+            _core.walk(row[None, :], [1], [-1], 0, **kw)
 
 
 @pytest.mark.parametrize("prompt, match", [

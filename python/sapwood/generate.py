@@ -10,7 +10,6 @@ verify mode, width or drafter.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -20,7 +19,7 @@ import numpy as np
 from . import _core
 from . import tree as trees
 from .policy import Policy, band_of
-from .sampling import SamplingParams, apply_penalties, check_logits, sample
+from .sampling import SamplingParams, sample
 
 VERIFY_MODES = ("off", "chain", "tree", "auto")
 
@@ -132,22 +131,13 @@ class Decoder:
         self._drafts_on_own_thread = hasattr(drafter, "sync")
         # asked at every pick: the request's parameters do not change while it runs
         self._tree_eligible = cfg.params.tree_eligible
-        self._greedy = cfg.params.temperature == 0 and self._tree_eligible
 
-    def _pick(self, logits, position, history) -> int:
-        if self._greedy:
-            # greedy: the argmax of the engine's float32 row is the argmax sample() takes of its
-            # float64 copy (the conversion is exact); skipping sample()'s checks of the whole row
-            # saves tens of microseconds per emitted token, the engine's logits are finite.
-            tok = int(logits.argmax())
-            if not math.isfinite(logits[tok]):  # NaN, +inf, or a row all -inf: as sample()
-                check_logits(logits)
-            return tok
-        p = self.cfg.params
-        if not self._tree_eligible:  # penalties look at the tokens before this position
-            logits = apply_penalties(logits, history, p)
-        return int(sample(logits, position, seed=p.seed, temperature=p.temperature,
-                          top_k=p.top_k, top_p=p.top_p, min_p=p.min_p))
+    def _sampling(self) -> dict:
+        """The engine's sampling arguments for this request's next pick or walk."""
+        kw = self.cfg.params.engine_kwargs()
+        if not self._tree_eligible:  # penalties count the context (a walk adds the path)
+            kw["history"] = self.context
+        return kw
 
     def _mode(self) -> str:
         """This round's kind: off, plain, chain, wide (auto's tree) or tree; sets self._rows."""
@@ -237,7 +227,7 @@ class Decoder:
             # was well above plain decoding's), and a request that never drafts never pays it.
             self._behind = len(self.context)
             self._prompt_pending = True  # the first catch-up is the draft's prefill
-        root = self._pick(logits, len(self.context), self.context)
+        root = int(sample(logits, len(self.context), **self._sampling()))
         st.prefill_s = self.clock() - t0
         t_start = self.clock()
         try:
@@ -368,41 +358,14 @@ class Decoder:
 
     def _verify_walk(self, tree, logits, fold_in_background):
         """Verify the round's tree (unless `logits`, a calibration's, already scored it), walk
-        it and commit the path: (path, picks). One engine call (Engine.verify_walk: the picks
-        made in the engine, no logits copied out) unless penalties need the path's history.
-        self.verify_s: the verify's time, the walk and commit in it when they are one call."""
-        eng, p = self.engine, self.cfg.params
-        walk_kw = dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                       min_p=p.min_p, seed=p.seed)
-        if logits is None and self._tree_eligible:
-            t = self.clock()
-            path, picks = eng.verify_walk(tree.tokens, tree.parents,
-                                          fold_in_background=fold_in_background, **walk_kw)
-            self.verify_s = self.clock() - t
-            return path, picks
-        if logits is None:
-            t = self.clock()
-            logits = eng.verify(tree.tokens, tree.parents)
-            self.verify_s = self.clock() - t
-        if self._tree_eligible:
+        it and commit the path: (path, picks), in one engine call (Engine.verify_walk: the
+        picks made in the engine, no logits copied out). self.verify_s: the call's time."""
+        eng, kw = self.engine, self._sampling()
+        if logits is not None:
             return walk_and_commit(eng, logits, tree.tokens, tree.parents, fold_in_background,
-                                   **walk_kw)
-        path, picks = self._walk_penalised(tree, logits)
-        eng.commit(path, fold_in_background=fold_in_background)
+                                   **kw)
+        t = self.clock()
+        path, picks = eng.verify_walk(tree.tokens, tree.parents,
+                                      fold_in_background=fold_in_background, **kw)
+        self.verify_s = self.clock() - t
         return path, picks
-
-    def _walk_penalised(self, tree, logits):
-        """The walk with penalties: each node's pick sees the context and the path to it
-        (_core.walk's, with apply_penalties before each pick)."""
-        path, node, picks = [0], 0, []
-        base = self.engine.position
-        while True:
-            depth = len(path) - 1
-            hist = self.context + [int(tree.tokens[n]) for n in path]
-            pick = self._pick(logits[node], base + depth + 1, hist)
-            picks.append(pick)
-            child = tree.child(node, pick)
-            if child < 0:
-                return path, picks
-            path.append(child)
-            node = child

@@ -73,6 +73,11 @@ class SamplingParams:
                 raise ValueError(f"{name}={v!r}: must be in [{lo}, {hi}] (0 is off)")
         return self
 
+    def engine_kwargs(self) -> dict:
+        """The engine's sampling keyword arguments (_core.sample, Engine.verify_walk)."""
+        return {f.name: (int if f.name in ("top_k", "seed") else float)(getattr(self, f.name))
+                for f in fields(self)}
+
     @property
     def tree_eligible(self) -> bool:
         # Penalties change the logits at position t according to the tokens generated before t.
@@ -106,11 +111,16 @@ def filtered_probs(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> np
     return p.reshape(x.shape)
 
 
-def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0):
+def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+           history=(), repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0):
     """logits [V] with an int position -> int; logits [N, V] with positions [N] -> int64 [N].
-    `position` is the index the sampled token will have in the sequence (prompt included)."""
-    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   seed=seed).validate()
+    `position` is the index the sampled token will have in the sequence (prompt included).
+    Penalties apply to every row, counting the token ids in `history` (the caller chooses
+    which count: generate passes the whole context), as reference.apply_penalties does."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=seed, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty).validate()
     x = np.asarray(logits)
     if x.ndim not in (1, 2) or x.shape[-1] == 0:
         raise ValueError(f"logits shape {x.shape}: must be [V] or [N, V] with V > 0")
@@ -123,32 +133,6 @@ def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, mi
     pos = as_u64(pos, "positions").reshape(-1)
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)  # exact for every float16 and int32; what check_logits takes
-    tok = _core.sample(np.ascontiguousarray(np.atleast_2d(x)), pos, float(temperature),
-                       int(top_k), float(top_p), float(min_p), int(seed))
+    tok = _core.sample(np.ascontiguousarray(np.atleast_2d(x)), pos, **params.engine_kwargs(),
+                       history=history)
     return int(tok[0]) if x.ndim == 1 else tok
-
-
-def apply_penalties(logits, history_ids, params: SamplingParams) -> np.ndarray:
-    """logits [V], history_ids [H] (the caller chooses which tokens count: HF's repetition
-    penalty usually includes the prompt, OpenAI's presence/frequency only generated tokens).
-
-    Repetition (HF): for ids in history, logit > 0 is divided by the penalty, otherwise
-    multiplied. Then presence/frequency (OpenAI): logit -= presence * [count > 0] +
-    frequency * count. Returns a new float array; the input is not modified."""
-    params.validate()
-    x = np.array(logits, dtype=np.result_type(np.asarray(logits).dtype, np.float32))
-    if x.ndim != 1:
-        raise ValueError(f"logits shape {x.shape}: apply_penalties takes one row [V]")
-    h = np.asarray(history_ids).reshape(-1)
-    if h.size == 0:
-        return x
-    if h.dtype.kind not in "iu" or h.min() < 0 or h.max() >= x.shape[0]:
-        raise ValueError(f"history_ids must be ints in [0, {x.shape[0]}), got "
-                         f"{h.min()}..{h.max()} ({h.dtype})")
-    counts = np.bincount(h, minlength=x.shape[0])
-    seen = counts > 0
-    r = params.repetition_penalty
-    if r != 1.0:
-        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
-    x -= (params.presence_penalty * seen + params.frequency_penalty * counts).astype(x.dtype)
-    return x

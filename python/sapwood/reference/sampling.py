@@ -133,3 +133,29 @@ def sample(x: np.ndarray, positions: np.ndarray, *, seed=0, temperature=0.0, top
     score = np.full(s.shape, -np.inf)
     score[rows, ids] = s[rows, ids] - libm_log(-libm_log(u))
     return score.argmax(axis=1).astype(np.int64)  # first maximum: ties to the lower id
+
+
+def apply_penalties(logits, history_ids, params) -> np.ndarray:
+    """logits [V], history_ids [H] (the caller chooses which tokens count: HF's repetition
+    penalty usually includes the prompt, OpenAI's presence/frequency only generated tokens);
+    params: a checked sampling.SamplingParams.
+
+    Repetition (HF): for ids in history, logit > 0 is divided by the penalty, otherwise
+    multiplied. Then presence/frequency (OpenAI): logit -= presence * [count > 0] +
+    frequency * count. Returns a new float array; the input is not modified."""
+    x = np.array(logits, dtype=np.result_type(np.asarray(logits).dtype, np.float32))
+    if x.ndim != 1:
+        raise ValueError(f"logits shape {x.shape}: apply_penalties takes one row [V]")
+    h = np.asarray(history_ids).reshape(-1)
+    if h.size == 0:
+        return x
+    if h.dtype.kind not in "iu" or h.min() < 0 or h.max() >= x.shape[0]:
+        raise ValueError(f"history_ids must be ints in [0, {x.shape[0]}), got "
+                         f"{h.min()}..{h.max()} ({h.dtype})")
+    counts = np.bincount(h, minlength=x.shape[0])
+    seen = counts > 0
+    r = params.repetition_penalty
+    if r != 1.0:
+        x[seen] = np.where(x[seen] > 0, x[seen] / r, x[seen] * r)
+    x -= (params.presence_penalty * seen + params.frequency_penalty * counts).astype(x.dtype)
+    return x
