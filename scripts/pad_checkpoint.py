@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from sapwood.loading import default_target_path
-from sapwood.reference.model import ModelConfig
+from sapwood.config import ModelConfig
 from sapwood.safetensors_io import load_checkpoint_weights
 from sapwood.testing import save_bf16
 

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from sapwood import checkpoints as ck  # noqa: E402
-from sapwood.reference.model import ModelConfig, expected_shapes, normalize_names  # noqa: E402
-from sapwood.reference.mtp import expected_mtp_shapes, mtp_tensors  # noqa: E402
+from sapwood.config import (ModelConfig, expected_mtp_shapes, expected_shapes,  # noqa: E402
+                            mtp_tensors, normalize_names)
 from sapwood.testing import f32_to_bf16_bits  # noqa: E402
 
 SHALLOW = dict(overrides={"num_hidden_layers": 4}, vision_overrides={"depth": 2})

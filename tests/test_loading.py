@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 import sapwood
 from sapwood.loading import check_tensors, engine_dims, read_checkpoint
-from sapwood.reference.model import ModelConfig, expected_shapes
+from sapwood.config import ModelConfig, expected_shapes
 from sapwood.safetensors_io import load_checkpoint_weights, read_safetensors
 from sapwood.testing import save_bf16, make_tiny_checkpoint, make_tokenizer
 

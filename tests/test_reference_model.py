@@ -7,7 +7,8 @@ permuted value heads and must give the same logits.
 import numpy as np
 import pytest
 
-from sapwood.reference.model import ModelConfig, ReferenceModel
+from sapwood.config import ModelConfig
+from sapwood.reference.model import ReferenceModel
 from sapwood.testing import make_tiny_checkpoint, to_tiled_order
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

@@ -16,7 +16,7 @@ from sapwood import _core
 from sapwood.benchmarks.load import measure_load
 from sapwood.loading import engine_dims, read_checkpoint
 from sapwood.memory import estimate_config
-from sapwood.reference.model import ModelConfig
+from sapwood.config import ModelConfig
 from sapwood.safetensors_io import load_checkpoint_weights
 from sapwood.testing import make_tiny_checkpoint
 

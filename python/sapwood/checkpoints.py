@@ -14,7 +14,7 @@ text-only `Qwen3_5ForCausalLM` layout (config `qwen3_5_text`, tensors `model.*`)
 
 Names and shapes are those of transformers' Qwen3_5ForConditionalGeneration / Qwen3_5ForCausalLM
 built on the meta device (tied parameters once, as the published files store them); the MTP head,
-which transformers does not build, is `sapwood.reference.mtp.expected_mtp_shapes`.
+which transformers does not build, is `sapwood.config.expected_mtp_shapes`.
 
 Values: random, deterministic for (seed, tensor name) and independent of layout, sharding, dtype
 and of which other tensors are written (so a shallow `num_hidden_layers` override writes the first
@@ -202,8 +202,7 @@ def tensor_shapes(config: dict, *, vision: bool = True) -> dict[str, tuple[int, 
     """{name: shape} of every tensor a checkpoint with this config.json stores, in file order:
     transformers' parameters (less `model.visual.*` when vision=False), then the MTP head
     (`mtp.*`, as many layers as the config's mtp_num_hidden_layers)."""
-    from .reference.model import ModelConfig
-    from .reference.mtp import expected_mtp_shapes
+    from .config import ModelConfig, expected_mtp_shapes
 
     shapes = _transformers_shapes(config)
     if not vision:

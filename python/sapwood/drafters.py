@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -301,3 +302,46 @@ class MtpDrafter(_Exclusive):
                                     self.seed, Q + 1)
         self._from, self._rows = Q, self._rows[:0]
         return Lattice(tokens=ids, logprobs=logp)
+
+
+def resolve_drafter(model, drafter):
+    """Model.resolve_drafter: the drafter a request names, for the target `model`."""
+    from .loading import default_draft_path, load
+    from .model import Model
+
+    if drafter is None:
+        drafter = model.draft if model.draft is not None else "mtp" if model.mtp is not None else "lookup"
+    if isinstance(drafter, str) and drafter == "mtp":
+        if model.mtp is None:
+            raise ValueError(f"drafter='mtp': {model.mtp_unsupported or 'this checkpoint has no MTP head'}"
+                             f" ({model.path})")
+        return MtpDrafter(model)
+    if isinstance(drafter, str) and drafter == "lookup":
+        return LookupDrafter()
+    if isinstance(drafter, str) and drafter == "default":
+        drafter = default_draft_path()
+    if isinstance(drafter, (str, Path)):
+        if not Path(drafter).is_dir():
+            raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'mtp', 'lookup', 'default', "
+                             "a draft checkpoint directory or a loaded Model")
+        key = str(Path(drafter).resolve())
+        cache = model.__dict__.setdefault("_draft_models", {})
+        if key not in cache:  # load a draft checkpoint once per target model
+            cache[key] = load(drafter, weights=model.weights, kv=model.kv,
+                              max_context=model.max_context)
+        drafter = cache[key]
+    if isinstance(drafter, Model):
+        if drafter is model or drafter.engine is model.engine:
+            # one engine cannot hold both the target's committed state and the draft's
+            raise ValueError("a model cannot be its own drafter (drafter is this model, "
+                             "whose one engine would hold the target's and the draft's "
+                             "state): load a second copy of it, or use drafter='lookup'")
+        if drafter.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft model vocabulary ({drafter.config.vocab_size}) differs from "
+                             f"the target's ({model.config.vocab_size})")
+        if drafter.engine.max_context < model.engine.max_context:
+            raise ValueError("the draft model's max_context is smaller than the target's")
+        return ModelDrafter(drafter)
+    if hasattr(drafter, "draft") and hasattr(drafter, "advance"):
+        return drafter
+    raise ValueError(f"unknown drafter {drafter!r}")

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from . import _core
+from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
+                     mtp_tensors, normalize_names)
+from .formats import BlockFp8, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
-from .reference.model import FULL, LINEAR, ModelConfig, expected_shapes, normalize_names
-from .reference.mtp import MTP_CONFIG_KEY, check_mtp_tensors, mtp_tensors
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
@@ -111,7 +112,10 @@ class CheckpointTensors(Mapping):
 
     def read(self, name: str, r0: int, r1: int) -> np.ndarray:
         info = self.infos[name]
-        x = self._reader.rows(info, int(r0), int(r1))
+        if isinstance(info, BlockFp8):
+            x = info.rows(self._reader, int(r0), int(r1))
+        else:
+            x = self._reader.rows(info, int(r0), int(r1))
         if name in self.watch and x.size:
             self.amax[name] = max(self.amax.get(name, 0.0), _amax(x))
         if self.on_bytes is not None:
@@ -119,7 +123,10 @@ class CheckpointTensors(Mapping):
         return x
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return self._reader.read(self.infos[name])
+        info = self.infos[name]
+        if isinstance(info, BlockFp8):
+            return info.rows(self._reader, 0, info.shape[0]).reshape(info.shape)
+        return self._reader.read(info)
 
     def __iter__(self):
         return iter(self.infos)
@@ -261,7 +268,10 @@ def read_checkpoint(path) -> Checkpoint:
         if eos is not None and any(type(e) is not int or e < 0 for e in eos_list):
             raise ValueError(f"{d / 'generation_config.json'}: eos_token_id={eos!r}: must be a "
                              "token id or a list of them")
-    index = checkpoint_index(d)
+    try:
+        index = stored_view(checkpoint_index(d), _read_json(d / "config.json", "config.json"))
+    except ValueError as e:
+        raise ValueError(f"{d}: {e}") from None
     weights = CheckpointTensors(check_tensors(cfg, normalize_names(index)), watch={head_name(cfg)})
     _check_values(cfg, weights)
     mtp = None

@@ -13,7 +13,7 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .reference.model import FULL, LINEAR, ModelConfig
+from .config import FULL, LINEAR, ModelConfig
 
 GB = 1e9
 KV_PAGE = 64            # the engine's page size (positions per KV page)

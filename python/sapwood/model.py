@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .reference.model import FULL, ModelConfig
+from .config import FULL, ModelConfig
 
 _NO_DEFAULT = object()
 
@@ -125,46 +125,8 @@ class Model:
         """None -> an attached draft model (model.draft: the user's, or load("default")'s),
         else the checkpoint's MTP head, else prompt lookup; "mtp"; "lookup"; "default" (the
         bundled draft); a checkpoint path; a loaded Model; or any object with draft/advance."""
-        from .drafters import LookupDrafter, ModelDrafter, MtpDrafter
-        from .loading import load
-
-        if drafter is None:
-            drafter = self.draft if self.draft is not None else "mtp" if self.mtp is not None else "lookup"
-        if isinstance(drafter, str) and drafter == "mtp":
-            if self.mtp is None:
-                raise ValueError(f"drafter='mtp': {self.mtp_unsupported or 'this checkpoint has no MTP head'}"
-                                 f" ({self.path})")
-            return MtpDrafter(self)
-        if isinstance(drafter, str) and drafter == "lookup":
-            return LookupDrafter()
-        if isinstance(drafter, str) and drafter == "default":
-            from .loading import default_draft_path
-            drafter = default_draft_path()
-        if isinstance(drafter, (str, Path)):
-            if not Path(drafter).is_dir():
-                raise ValueError(f"unknown drafter {str(drafter)!r}: expected 'mtp', 'lookup', 'default', "
-                                 "a draft checkpoint directory or a loaded Model")
-            key = str(Path(drafter).resolve())
-            cache = self.__dict__.setdefault("_draft_models", {})
-            if key not in cache:  # load a draft checkpoint once per target model
-                cache[key] = load(drafter, weights=self.weights, kv=self.kv,
-                                  max_context=self.max_context)
-            drafter = cache[key]
-        if isinstance(drafter, Model):
-            if drafter is self or drafter.engine is self.engine:
-                # one engine cannot hold both the target's committed state and the draft's
-                raise ValueError("a model cannot be its own drafter (drafter is this model, "
-                                 "whose one engine would hold the target's and the draft's "
-                                 "state): load a second copy of it, or use drafter='lookup'")
-            if drafter.config.vocab_size != self.config.vocab_size:
-                raise ValueError(f"draft model vocabulary ({drafter.config.vocab_size}) differs from "
-                                 f"the target's ({self.config.vocab_size})")
-            if drafter.engine.max_context < self.engine.max_context:
-                raise ValueError("the draft model's max_context is smaller than the target's")
-            return ModelDrafter(drafter)
-        if hasattr(drafter, "draft") and hasattr(drafter, "advance"):
-            return drafter
-        raise ValueError(f"unknown drafter {drafter!r}")
+        from .drafters import resolve_drafter
+        return resolve_drafter(self, drafter)
 
     def speculation_policy(self, drafter):
         """The speculation policy's state (policy.Policy) for requests drafted by `drafter` (a

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-# safetensors dtype -> little-endian numpy storage type. F8_* are left out: no reader of ours
-# could widen them correctly yet, so they are reported as unsupported rather than misread.
+# safetensors dtype -> little-endian numpy storage type. F8_E4M3 is read as its bits, which
+# only formats.BlockFp8 (with its block scales) turns into values; F8_E5M2 is left out.
 _DTYPES = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "F8_E4M3": "u1",
     "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
     "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
 }
@@ -38,7 +38,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def numpy_dtype_name(dtype: str) -> str:
     """A safetensors dtype as numpy names it ("BF16" -> "bfloat16", "I32" -> "int32")."""
-    return "bfloat16" if dtype == "BF16" else np.dtype(_DTYPES[dtype]).name
+    if dtype in ("BF16", "F8_E4M3"):
+        return {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3"}[dtype]
+    return np.dtype(_DTYPES[dtype]).name
 
 
 def _no_duplicates(pairs):

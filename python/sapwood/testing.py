@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .reference.model import HEAD_ORDER_KEY, ModelConfig, expected_shapes
+from .config import HEAD_ORDER_KEY, ModelConfig, expected_shapes
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
@@ -268,7 +268,7 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
         config[HEAD_ORDER_KEY] = "tiled"
         weights = to_tiled_order(weights, config)
     if mtp:
-        from .reference.mtp import MTP_CONFIG_KEY, expected_mtp_shapes
+        from .config import MTP_CONFIG_KEY, expected_mtp_shapes
         config[MTP_CONFIG_KEY] = 1
         # its own stream: the target's weights stay those of the same seed without a head
         weights.update(_random_weights(config, seed + 7919, expected_mtp_shapes(ModelConfig.from_dict(config))))

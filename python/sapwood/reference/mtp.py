@@ -21,53 +21,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .model import FULL, ModelConfig, ReferenceModel, expected_shapes, normalize_names, rms_norm
-
-MTP_CONFIG_KEY = "mtp_num_hidden_layers"
-
-
-def expected_mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the head of cfg.mtp_layers layers, by checkpoint name, with its shape."""
-    H = cfg.hidden_size
-    s = {"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
-         "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)}
-    layer = expected_shapes(replace(cfg, layer_types=(FULL,)))  # one full-attention layer
-    for j in range(cfg.mtp_layers):
-        for name, shape in layer.items():
-            if name.startswith("model.layers.0."):
-                s[f"mtp.layers.{j}." + name[len("model.layers.0."):]] = shape
-    return s
-
-
-def mtp_tensors(weights: dict) -> dict:
-    """The head's tensors of a checkpoint's {name: array} (`mtp.*`; `model.mtp.*` as `mtp.*`)."""
-    out = {}
-    for name, w in weights.items():
-        if name.startswith("model.mtp."):
-            name = name[len("model."):]
-        if name.startswith("mtp."):
-            out[name] = w
-    return out
-
-
-def check_mtp_tensors(cfg: ModelConfig, tensors: dict) -> None:
-    """ValueError naming the first missing, unexpected or misshapen tensor of the head."""
-    shapes = expected_mtp_shapes(cfg)
-    said = f"(config says {MTP_CONFIG_KEY}={cfg.mtp_layers})"
-    missing = [n for n in shapes if n not in tensors]
-    if missing:
-        raise ValueError(f"missing MTP tensor {missing[0]!r} {said}"
-                         + (f"; {len(missing)} missing in all" if len(missing) > 1 else ""))
-    extra = sorted(set(tensors) - set(shapes))
-    if extra:
-        raise ValueError(f"unexpected MTP tensor {extra[0]!r} {said}"
-                         + (f"; {len(extra)} in all" if len(extra) > 1 else ""))
-    for name, shape in shapes.items():
-        got = tuple(getattr(tensors[name], "shape", np.shape(tensors[name])))  # arrays or TensorInfo
-        if got != shape:
-            raise ValueError(f"MTP tensor {name!r} has shape {got}, "
-                             f"expected {shape}")
-
+from ..config import FULL, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, mtp_tensors
+from .model import ReferenceModel, normalize_names, rms_norm
 
 class MtpReference:
     """The head with its own committed KV state. Row j of its state is the target's position
