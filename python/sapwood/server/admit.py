@@ -190,8 +190,7 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
     except ValidationError as e:
         raise validation_error(e) from None
     if req.model != st.model_id:
-        raise ApiError(404, f"model {req.model!r} is not served here (this server serves "
-                            f"{st.model_id!r})", "model", code="model_not_found")
+        raise st.model_not_found(req.model)
     _check_drafter(st, req)
     choices = req.n * (1 if chat else len(req.prompt))
     cap = st.scheduler.capacity

@@ -12,6 +12,7 @@ from typing import Any, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import field_validator
+from starlette.responses import JSONResponse
 
 from ..sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SEED_LIMIT, TOP_K_MAX
 
@@ -25,13 +26,18 @@ class ApiError(Exception):
     object {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers  # of the response: a 405's Allow, a 401's WWW-Authenticate
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _short(v: Any, limit: int = 80) -> str:
