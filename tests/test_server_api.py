@@ -1,7 +1,12 @@
 """`sapwood serve` answering what OpenAI clients send (issue 49): OpenAI error objects on every
-route (an unknown route, a wrong method, a body that is not JSON) and GET /v1/models/{id}. A
-live server on a free loopback port over a tiny checkpoint, talked to with httpx and with the
-official openai client."""
+route (an unknown route, a wrong method, a body that is not JSON), GET /v1/models/{id}, and the
+API's fields honoured, ignored or refused as docs/server.md lists them, null as a field's
+default. A live server on a free loopback port over a tiny checkpoint, talked to with httpx and
+with the official openai client."""
+import json
+import logging
+import re
+from pathlib import Path
 
 import pytest
 from util import LiveServer, require_packages, tiny_server_target
@@ -11,10 +16,13 @@ require_packages("openai")
 import openai  # noqa: E402
 
 from sapwood import server  # noqa: E402
+from sapwood.server import protocol  # noqa: E402
+from sapwood.server.protocol import ChatRequest, CompletionRequest  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 CONTEXT = 256
 TIMEOUT = 30
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +106,159 @@ def test_models_retrieve(live):
     m = live.client.models.retrieve("tiny")
     assert (m.id, m.object, m.owned_by) == ("tiny", "model", "sapwood")
     assert m.model_dump() == live.client.models.list().data[0].model_dump()
+
+
+# -- 3. fields: honoured, ignored, refused ---------------------------------------------------------
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+        "temperature": 0.8, "seed": 5, "sapwood": {"return_token_ids": True}}
+COMPLETION = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0.8,
+              "seed": 5, "sapwood": {"return_token_ids": True}}
+
+IGNORED_CHAT = {"user": "u-1", "store": True, "metadata": {"team": "a"}, "service_tier": "auto",
+                "safety_identifier": "h", "prompt_cache_key": "k",
+                "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"},
+                "parallel_tool_calls": False, "reasoning_effort": "low", "verbosity": "low",
+                "prediction": {"type": "content", "content": "hello"}}
+NEUTRAL_CHAT = {"tools": [], "tool_choice": "none", "functions": [], "function_call": "auto",
+                "response_format": {"type": "text"}, "modalities": ["text"], "logit_bias": {},
+                "stream_options": {"include_usage": False, "include_obfuscation": True}}
+IGNORED_COMPLETION = {"user": "u-1", "store": False, "metadata": {}, "service_tier": "default"}
+NEUTRAL_COMPLETION = {"echo": False, "best_of": 1, "suffix": "", "logit_bias": {"7": 0}}
+
+
+def tokens_of(r):
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    return [c["token_ids"] for c in doc["sapwood"]["choices"]], doc
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_ignored_and_neutral_fields_change_nothing(live, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = CHAT if chat else COMPLETION
+    want, _ = tokens_of(live.post(base, path))
+    extra = {**IGNORED_CHAT, **NEUTRAL_CHAT} if chat else {**IGNORED_COMPLETION,
+                                                            **NEUTRAL_COMPLETION}
+    got, _ = tokens_of(live.post({**base, **extra}, path))
+    assert got == want
+    # every field of the kind, one at a time: no field refused alone either
+    for name, v in extra.items():
+        assert tokens_of(live.post({**base, name: v}, path))[0] == want, name
+
+
+def test_the_openai_client_sends_what_sdk_wrappers_send(live):
+    """The fields an SDK wrapper adds (a 400 each before): the answer is the plain one."""
+    kw = dict(model="tiny", messages=CHAT["messages"], max_tokens=6, temperature=0.8, seed=5)
+    want = live.client.chat.completions.create(**kw).choices[0].message.content
+    r = live.client.chat.completions.create(
+        **kw, user="u-1", store=False, metadata={"run": "1"}, service_tier="auto",
+        parallel_tool_calls=True, reasoning_effort="minimal", n=1, logit_bias={},
+        stream_options=None, response_format={"type": "text"}, tool_choice="none")
+    assert r.choices[0].message.content == want
+    # an assistant turn sent back as the client parsed it, its null fields included
+    turn = r.choices[0].message.model_dump()
+    assert "refusal" in turn and "tool_calls" in turn
+    r2 = live.client.chat.completions.create(
+        model="tiny", max_tokens=3, temperature=0,
+        messages=[*CHAT["messages"], turn, {"role": "user", "content": "again"}])
+    assert r2.choices[0].finish_reason == "length"
+
+
+def test_stream_include_usage_is_honoured(live):
+    chunks = list(live.client.chat.completions.create(
+        model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_null_is_a_fields_default(live, chat):
+    """Clients send null for fields they leave unset (the API's types are Optional)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = CHAT if chat else COMPLETION
+    want, doc = tokens_of(live.post(base, path))
+    nulls = {"n": None, "stop": None, "top_p": None, "top_k": None, "presence_penalty": None,
+             "frequency_penalty": None, "stream": None, "stream_options": None, "logprobs": None,
+             "logit_bias": None, "user": None}
+    nulls.update({"top_logprobs": None, "tools": None, "tool_choice": None,
+                  "response_format": None} if chat else {"echo": None, "suffix": None,
+                                                         "best_of": None})
+    got, doc2 = tokens_of(live.post({**base, **nulls}, path))
+    assert got == want and len(doc2["choices"]) == 1
+    # an unknown field is refused, null or not
+    err = openai_error(live.post({**base, "temprature": None}, path), 400, "unknown_field")
+    assert err["param"] == "temprature"
+
+
+REFUSED = [  # (chat, field, value, param, text the message must show)
+    (True, "tools", [{"type": "function", "function": {"name": "f"}}], "tools", "tool calling"),
+    (True, "tool_choice", "required", "tool_choice", "'none' or 'auto'"),
+    (True, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice",
+     "tool calling"),
+    (True, "functions", [{"name": "f"}], "functions", "tool calling"),
+    (True, "function_call", {"name": "f"}, "function_call", "tool calling"),
+    (True, "response_format", {"type": "json_object"}, "response_format", "structured output"),
+    (True, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}},
+     "response_format", "json_schema"),
+    (True, "modalities", ["text", "audio"], "modalities", "text only"),
+    (True, "audio", {"voice": "alloy", "format": "wav"}, "audio", "text only"),
+    (True, "web_search_options", {}, "web_search_options", "web search"),
+    (True, "moderation", {"model": "m"}, "moderation", "moderate"),
+    (True, "logit_bias", {"5": -100}, "logit_bias", "bias changes the distribution"),
+    (True, "messages", [{"role": "tool", "content": "42", "tool_call_id": "c1"}],
+     "messages.0.role", "tool calling"),
+    (True, "messages", [{"role": "assistant", "content": "x",
+                         "tool_calls": [{"id": "c1", "type": "function"}]}],
+     "messages.0.tool_calls", "tool calling"),
+    (True, "messages", [{"role": "user", "content": [{"type": "image_url",
+                                                      "image_url": {"url": "x"}}]}],
+     "messages.0.content", "only 'text' parts"),
+    (False, "echo", True, "echo", "not returned"),
+    (False, "best_of", 2, "best_of", "use n"),
+    (False, "suffix", "}", "suffix", "insertion"),
+    (False, "logit_bias", {"5": 10}, "logit_bias", "only zero biases"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: f"{c[1]}={c[2]!r}"[:40])
+def test_refused_fields_say_which_and_why(live, case):
+    chat, name, value, param, shows = case
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    err = openai_error(live.post({**(CHAT if chat else COMPLETION), name: value}, path), 400)
+    assert err["param"] == param and shows in err["message"], err
+
+
+def test_ignored_fields_are_logged_once(live, monkeypatch, caplog):
+    monkeypatch.setattr(protocol, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="sapwood.server"):
+        for _ in range(2):
+            tokens_of(live.post({**CHAT, "store": True, "metadata": {}}, "/v1/chat/completions"))
+    said = [r.getMessage() for r in caplog.records if r.name == "sapwood.server"]
+    assert sorted(said) == sorted(f"request field {f!r} is accepted and ignored (docs/server.md"
+                                  ", 'Fields')" for f in ("store", "metadata")), said
+
+
+def test_the_docs_list_every_field():
+    """docs/server.md's "Fields" section names every field a request may hold, each once as
+    honoured, ignored or refused, and the kinds agree with protocol.py's tables."""
+    text = DOCS.read_text()
+    section = text[text.index("\n## Fields"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| (honoured|ignored|refused unless neutral) \| (.*?) \|", line)
+        if m:
+            for name in re.findall(r"`([a-z_.]+)`", m.group(2)):
+                assert name not in rows, f"{name} listed twice"
+                rows[name] = m.group(1)
+    fields = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+    fields |= {f"messages.{f}" for f in protocol.Message.model_fields}
+    fields |= {f"stream_options.{f}" for f in protocol.StreamOptions.model_fields}
+    fields -= {"stream_options"}  # its members are listed
+    assert fields == set(rows), fields ^ set(rows)
+    for name in protocol.IGNORED_CHAT:
+        assert rows[name] == "ignored", name
+    for name in {**protocol.REFUSED_CHAT, **protocol.REFUSED_COMPLETION}:
+        assert rows[name] == "refused unless neutral", name
