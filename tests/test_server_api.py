@@ -1,8 +1,8 @@
 """`sapwood serve` answering what OpenAI clients send (issue 49): OpenAI error objects on every
-route (an unknown route, a wrong method, a body that is not JSON), GET /v1/models/{id}, and the
+route (an unknown route, a wrong method, a body that is not JSON), GET /v1/models/{id}, the
 API's fields honoured, ignored or refused as docs/server.md lists them, null as a field's
-default. A live server on a free loopback port over a tiny checkpoint, talked to with httpx and
-with the official openai client."""
+default, an optional API key and CORS. Live servers on free loopback ports over a tiny
+checkpoint, talked to with httpx and with the official openai client."""
 import json
 import logging
 import re
@@ -22,6 +22,8 @@ from sapwood.server.protocol import ChatRequest, CompletionRequest  # noqa: E402
 pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 CONTEXT = 256
 TIMEOUT = 30
+KEY = "sk-test-0123"
+ORIGIN = "http://app.example:3000"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "server.md"
 
 
@@ -35,6 +37,16 @@ def live(target):
     st = server.build(str(target), parallel=1, max_context=CONTEXT, cache_mb=0, model_id="tiny")
     srv = LiveServer(st, TIMEOUT)
     srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def locked(target):
+    """A key, one allowed origin and a served name with a "/" in it, as hub ids have."""
+    st = server.build(str(target), parallel=1, max_context=CONTEXT, cache_mb=0,
+                      model_id="org/tiny", api_key=KEY, cors_origins=[ORIGIN])
+    srv = LiveServer(st, TIMEOUT)
     yield srv
     srv.close()
 
@@ -102,10 +114,15 @@ def test_the_openai_client_reads_route_errors(live):
 
 # -- 2. GET /v1/models/{id} ----------------------------------------------------------------------
 
-def test_models_retrieve(live):
+def test_models_retrieve(live, locked):
     m = live.client.models.retrieve("tiny")
     assert (m.id, m.object, m.owned_by) == ("tiny", "model", "sapwood")
     assert m.model_dump() == live.client.models.list().data[0].model_dump()
+    # a served name with "/" in it (a hub id) is one path parameter
+    r = locked.http.get("/v1/models/org/tiny", headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["id"] == "org/tiny", r.text
+    r = locked.http.get("/v1/models/org", headers={"authorization": f"Bearer {KEY}"})
+    openai_error(r, 404, "model_not_found")
 
 
 # -- 3. fields: honoured, ignored, refused ---------------------------------------------------------
@@ -262,3 +279,95 @@ def test_the_docs_list_every_field():
         assert rows[name] == "ignored", name
     for name in {**protocol.REFUSED_CHAT, **protocol.REFUSED_COMPLETION}:
         assert rows[name] == "refused unless neutral", name
+
+
+# -- 4. API key and CORS -------------------------------------------------------------------------
+
+def test_without_the_key_every_route_but_health_is_a_401(locked):
+    body = {"model": "org/tiny", "prompt": "hi", "max_tokens": 2}
+    assert locked.http.get("/health").status_code == 200
+    for method, path, headers in [
+            ("POST", "/v1/completions", {}),
+            ("GET", "/v1/models", {"authorization": "Bearer wrong"}),
+            ("GET", "/metrics", {"authorization": KEY}),                # no scheme
+            ("GET", "/v1/nope", {}),                                    # routes stay unmapped
+            ("POST", "/v1/chat/completions", {"authorization": f"Basic {KEY}"}),
+            ("GET", "/v1/models", {"authorization": f"Bearer {KEY}x"})]:
+        r = locked.http.request(method, path, json=body, headers=headers)
+        err = openai_error(r, 401, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer" and KEY not in err["message"]
+    r = locked.http.post("/v1/completions", json=body, headers={"authorization": f"bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    assert locked.http.get("/metrics", headers={"authorization": f"Bearer {KEY}"}).status_code \
+        == 200
+
+
+def test_the_openai_client_with_and_without_the_key(locked):
+    good = openai.OpenAI(base_url=locked.url + "/v1", api_key=KEY, max_retries=0)
+    r = good.chat.completions.create(model="org/tiny", max_tokens=3, temperature=0,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason == "length"
+    assert [m.id for m in good.models.list().data] == ["org/tiny"]
+    bad = openai.OpenAI(base_url=locked.url + "/v1", api_key="sk-other", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model="org/tiny", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def _preflight(srv, origin, method="POST"):
+    return srv.http.options("/v1/chat/completions", headers={
+        "origin": origin, "access-control-request-method": method,
+        "access-control-request-headers": "authorization, content-type, x-stainless-os"})
+
+
+def test_cors_lets_the_allowed_origin_in(locked):
+    # the preflight carries no key (browsers never send one) and is answered before the check
+    r = _preflight(locked, ORIGIN)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-stainless-os" in r.headers["access-control-allow-headers"]
+    assert "POST" in r.headers["access-control-allow-methods"]
+    # the answers a page reads: a 401 too, so that it can tell why
+    for key in (KEY, None):
+        headers = {"origin": ORIGIN, **({"authorization": f"Bearer {key}"} if key else {})}
+        r = locked.http.get("/v1/models", headers=headers)
+        assert r.status_code == (200 if key else 401)
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+    # another origin: no header that lets its page read anything, and an OpenAI error
+    r = _preflight(locked, "http://evil.example")
+    openai_error(r, 400, "cors_refused")
+    assert "access-control-allow-origin" not in r.headers
+    r = locked.http.get("/v1/models", headers={"origin": "http://evil.example",
+                                               "authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_is_off_by_default(live):
+    r = _preflight(live, ORIGIN)
+    openai_error(r, 405, "method_not_allowed")
+    assert not [h for h in r.headers if h.startswith("access-control-")]
+    r = live.http.get("/v1/models", headers={"origin": ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_the_key_from_the_environment(monkeypatch, target):
+    monkeypatch.setenv("SAPWOOD_API_KEY", "sk-env")
+    st = server.build(str(target), max_context=CONTEXT, cache_mb=0)
+    try:
+        assert st.api_key == "sk-env"
+    finally:
+        st.close()
+    st = server.build(str(target), max_context=CONTEXT, cache_mb=0, api_key="sk-arg")
+    try:
+        assert st.api_key == "sk-arg"  # the argument wins
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(api_key=""), "api_key"), (dict(api_key="two words"), "api_key"),
+    (dict(api_key="kéy"), "api_key"), (dict(cors_origins=["http://a.example/"]), "no path"),
+    (dict(cors_origins=["a.example"]), "scheme://host"), (dict(cors_origins=[5]), "5")])
+def test_bad_keys_and_origins_fail_before_loading(kw, match):
+    with pytest.raises(ValueError, match=match):
+        server.build("/nonexistent/checkpoint", **kw)  # loading it would fail otherwise

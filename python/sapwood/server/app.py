@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .access import add_access, check_api_key, check_origins
 from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
@@ -43,8 +44,12 @@ class ServerState:
     tokenizer and template, never its engine), defaults, metrics."""
 
     def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
-                 max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20)):
+                 max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20),
+                 api_key: str | None = None, cors_origins=()):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
+        # access.py: None serves everyone; origins () turns CORS off
+        self.api_key = None if api_key is None else check_api_key(api_key)
+        self.cors_origins = check_origins(cors_origins)
         self.model = scheduler.slots[0].model
         self.max_context = self.model.max_context
         self.token_bytes = token_bytes
@@ -389,4 +394,5 @@ def create_app(st: ServerState) -> FastAPI:
         finally:  # the client went away (or the stream ended): stop what still runs
             call.cancel()
 
+    add_access(app, st.api_key, st.cors_origins)
     return app
