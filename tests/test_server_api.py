@@ -371,3 +371,22 @@ def test_the_key_from_the_environment(monkeypatch, target):
 def test_bad_keys_and_origins_fail_before_loading(kw, match):
     with pytest.raises(ValueError, match=match):
         server.build("/nonexistent/checkpoint", **kw)  # loading it would fail otherwise
+
+
+def test_serve_api_key_and_cors_from_the_command_line(monkeypatch, target, capsys):
+    from sapwood.cli import main
+
+    built = []
+    monkeypatch.setattr(server, "run", lambda st, **kw: built.append(st))
+    monkeypatch.delenv("SAPWOOD_API_KEY", raising=False)
+    assert main(["serve", str(target), "--port", "1", "--max-context", str(CONTEXT),
+                 "--host", "0.0.0.0", "--api-key", KEY, "--cors-origin", ORIGIN,
+                 "--cors-origin", "*"]) == 0
+    assert (built[0].api_key, built[0].cors_origins) == (KEY, (ORIGIN, "*"))
+    assert "no authentication" not in capsys.readouterr().err
+    built[0].close()
+    assert main(["serve", str(target), "--port", "1", "--max-context", str(CONTEXT),
+                 "--host", "0.0.0.0"]) == 0
+    assert built[1].api_key is None and built[1].cors_origins == ()
+    assert "no authentication" in capsys.readouterr().err
+    built[1].close()
