@@ -249,7 +249,7 @@ def test_refused_fields_say_which_and_why(live, case):
 
 def test_ignored_fields_are_logged_once(live, monkeypatch, caplog):
     monkeypatch.setattr(protocol, "_logged", set())
-    with caplog.at_level(logging.INFO, logger="sapwood.server"):
+    with caplog.at_level(logging.WARNING, logger="sapwood.server"):
         for _ in range(2):
             tokens_of(live.post({**CHAT, "store": True, "metadata": {}}, "/v1/chat/completions"))
     said = [r.getMessage() for r in caplog.records if r.name == "sapwood.server"]

@@ -144,11 +144,12 @@ REFUSED_CHAT = {
 
 
 def note_ignored(req, names) -> None:
-    """Log, once per process and field, that a request set a field that is ignored."""
+    """Log, once per process and field, that a request set a field that is ignored. A warning:
+    `sapwood serve` configures no handler for this logger, and Python shows only warnings then."""
     for name in names:
         if name in req.model_fields_set and name not in _logged:
             _logged.add(name)
-            log.info("request field %r is accepted and ignored (docs/server.md, 'Fields')", name)
+            log.warning("request field %r is accepted and ignored (docs/server.md, 'Fields')", name)
 
 
 class SapwoodOptions(_Strict):
