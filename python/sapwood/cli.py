@@ -140,10 +140,11 @@ def cmd_serve(a) -> int:
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
-                      batch_verify=a.batch_verify, max_body_mb=a.max_body_mb)
-    if a.host not in ("127.0.0.1", "localhost", "::1"):
+                      batch_verify=a.batch_verify, max_body_mb=a.max_body_mb,
+                      api_key=a.api_key, cors_origins=a.cors_origin or ())
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not st.api_key:
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
-              "authentication", file=sys.stderr)
+              "authentication (--api-key or SAPWOOD_API_KEY sets a key)", file=sys.stderr)
     server.run(st, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
@@ -185,6 +186,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="engine threads per slot (default: the cores shared out between slots)")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: 'default' or the directory name)")
+    p.add_argument("--api-key", default=None,
+                   help="requests must send 'Authorization: Bearer KEY', else 401; /health stays "
+                        "open (default: $SAPWOOD_API_KEY, else no key)")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let browser pages of ORIGIN (scheme://host[:port], or '*') call the "
+                        "API; repeat for more (default: none, CORS off)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
 

@@ -23,6 +23,7 @@ def _require_extra() -> None:
 
 _require_extra()
 
+from .access import check_api_key, check_origins  # noqa: E402
 from .admit import DEFAULT_MAX_BODY_MB  # noqa: E402
 from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
 from .batching import VerifyBatcher  # noqa: E402
@@ -44,7 +45,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
           cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
           backend: str = "cpu", threads=None, model_id: str | None = None,
           loader=None, batch_verify: bool = False,
-          max_body_mb: float = DEFAULT_MAX_BODY_MB) -> ServerState:
+          max_body_mb: float = DEFAULT_MAX_BODY_MB, api_key: str | None = None,
+          cors_origins=()) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -55,6 +57,9 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     default: on the 2-core CPU hosts measured it did not raise tokens/s (docs/server.md).
     max_body_mb: the largest request body accepted (MiB); a larger one gets 413 before it is
     read (docs/server.md).
+    api_key: requests must send `Authorization: Bearer KEY` (401 otherwise; /health stays open);
+    None: the environment's SAPWOOD_API_KEY if set, else no key. cors_origins: origins whose
+    browser pages may call the API ("*": any); empty: CORS off (server/access.py).
     """
     import sapwood
 
@@ -67,6 +72,11 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     if isinstance(max_body_mb, bool) or not isinstance(max_body_mb, (int, float)) \
             or not 0 < max_body_mb < 2 ** 20:
         raise ValueError(f"max_body_mb={max_body_mb!r}: must be a number of MiB in (0, 2**20)")
+    if api_key is None:  # the environment keeps a key out of `ps` and shell history
+        api_key = os.environ.get("SAPWOOD_API_KEY") or None
+    if api_key is not None:
+        check_api_key(api_key)
+    cors_origins = check_origins(cors_origins)  # both before the slots load: fail fast
     n_threads = _slot_threads(threads, parallel)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
     base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
@@ -107,7 +117,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     name = model_id or (model if model == "default" else
                         (first.path.name if first.path is not None else "model"))
     st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer),
-                     max_body_bytes=max(1, int(max_body_mb * 2 ** 20)))
+                     max_body_bytes=max(1, int(max_body_mb * 2 ** 20)), api_key=api_key,
+                     cors_origins=cors_origins)
     done.append(lambda slot, r: st.metrics.choice_done(r))
     return st
 
@@ -128,7 +139,8 @@ def run(st: ServerState, host: str = "127.0.0.1", port: int = 8080, log_level: s
                     bound = self.servers[0].sockets[0].getsockname()[1]
                 announce(f"sapwood serve: http://{shown}:{bound}/v1  (model {st.model_id!r}, "
                          f"{len(st.scheduler.slots)} slot(s), context {st.max_context}, "
-                         f"snapshot cache {st.cache.budget / 2 ** 20:.0f} MiB)", flush=True)
+                         f"snapshot cache {st.cache.budget / 2 ** 20:.0f} MiB"
+                         f"{', API key required' if st.api_key else ''})", flush=True)
 
     server = _Server(uvicorn.Config(create_app(st), host=host, port=port, log_level=log_level))
     try:

@@ -25,7 +25,8 @@ from starlette.requests import ClientDisconnect
 
 from ..generate import DecodeConfig
 from ..sampling import SamplingParams
-from .protocol import ApiError, ChatRequest, CompletionRequest, validation_error
+from .protocol import (IGNORED, IGNORED_CHAT, ApiError, ChatRequest, CompletionRequest,
+                       note_ignored, validation_error)
 
 DEFAULT_MAX_BODY_MB = 16.0
 # The deepest JSON a valid request has is 5 levels (messages, a message, its content parts, a
@@ -189,9 +190,9 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
         req = (ChatRequest if chat else CompletionRequest).model_validate(obj)
     except ValidationError as e:
         raise validation_error(e) from None
+    note_ignored(req, IGNORED_CHAT if chat else IGNORED)
     if req.model != st.model_id:
-        raise ApiError(404, f"model {req.model!r} is not served here (this server serves "
-                            f"{st.model_id!r})", "model", code="model_not_found")
+        raise st.model_not_found(req.model)
     _check_drafter(st, req)
     choices = req.n * (1 if chat else len(req.prompt))
     cap = st.scheduler.capacity

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API over a Scheduler of slots (FastAPI on uvicorn).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming with SSE),
-GET /v1/models, GET /health, GET /metrics. A request's choices run as jobs on slots; their
-events come back from the slots' worker threads through the event loop.
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. A request's choices run as jobs
+on slots; their events come back from the slots' worker threads through the event loop. Every
+error, the framework's own included (an unknown route, a wrong method), is an OpenAI error
+object: clients read `error.message`, and FastAPI's `{"detail": ...}` left them with none.
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from .access import add_access, check_api_key, check_origins
 from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
@@ -39,8 +44,12 @@ class ServerState:
     tokenizer and template, never its engine), defaults, metrics."""
 
     def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
-                 max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20)):
+                 max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20),
+                 api_key: str | None = None, cors_origins=()):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
+        # access.py: None serves everyone; origins () turns CORS off
+        self.api_key = None if api_key is None else check_api_key(api_key)
+        self.cors_origins = check_origins(cors_origins)
         self.model = scheduler.slots[0].model
         self.max_context = self.model.max_context
         self.token_bytes = token_bytes
@@ -61,6 +70,10 @@ class ServerState:
     def close(self) -> None:
         self.scheduler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def model_not_found(self, name: str) -> ApiError:
+        return ApiError(404, f"model {name!r} is not served here (this server serves "
+                             f"{self.model_id!r})", "model", code="model_not_found")
 
     def token_str(self, tok: int) -> str:
         """A token's text; one that alone is an incomplete UTF-8 sequence as its bytes,
@@ -223,16 +236,27 @@ class _Call:
         return {**self.head("text_completion"), "choices": [c]}
 
 
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
 def api_error(e: BaseException) -> ApiError:
     """A choice's error as the client sees it. Every value was checked at admission, so what
     fails in a slot is the server's own failure: 500 (an ApiError keeps its status)."""
     if isinstance(e, ApiError):
         return e
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+def http_error(request: Request, e: HTTPException) -> ApiError:
+    """The framework's own errors as OpenAI's: its router raises 404 for an unknown path and 405
+    (with an Allow header) for a known path's wrong method."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        return ApiError(404, f"no such route: {where} (the API is under /v1: completions, "
+                             "chat/completions, models)", code="unknown_url", headers=e.headers)
+    if e.status_code == 405:
+        allow = (e.headers or {}).get("Allow", "")
+        return ApiError(405, f"method not allowed: {where} (this path allows {allow})",
+                        code="method_not_allowed", headers=e.headers)
+    return ApiError(e.status_code, f"{where}: {e.detail}", headers=e.headers,
+                    type="server_error" if e.status_code >= 500 else "invalid_request_error")
 
 
 def create_app(st: ServerState) -> FastAPI:
@@ -242,12 +266,23 @@ def create_app(st: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return _error_response(e)
+        return e.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):  # a bug: say so, keep serving
-        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}",
-                                        type="server_error"))
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                        type="server_error").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):  # the router's 404 and 405
+        return http_error(request, e).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):  # a route's typed params
+        err = e.errors()[0]  # loc: ("path" or "query", name, ...)
+        param = ".".join(str(x) for x in err.get("loc", ())[1:]) or None
+        return ApiError(400, f"{param}: {err.get('msg', 'invalid value')}", param,
+                        code="invalid_value").response()
 
     @app.get("/health")
     async def health():
@@ -255,11 +290,19 @@ def create_app(st: ServerState) -> FastAPI:
         return {"status": "ok", "model": st.model_id, "slots": len(s.slots), "busy": s.busy,
                 "queue": s.queue_depth}
 
+    def model_object() -> dict:
+        return {"id": st.model_id, "object": "model", "created": st.created,
+                "owned_by": "sapwood", "max_model_len": st.max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": st.model_id, "object": "model",
-                                            "created": st.created, "owned_by": "sapwood",
-                                            "max_model_len": st.max_context}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model:path}")  # path: a served name may hold "/" (Qwen/Qwen3.5-9B)
+    async def model(model: str):
+        if model != st.model_id:
+            raise st.model_not_found(model)
+        return model_object()
 
     @app.get("/metrics")
     async def metrics():
@@ -290,7 +333,7 @@ def create_app(st: ServerState) -> FastAPI:
                                code="queue_full") from None
         except ApiError as e:
             m.requests.labels(endpoint, str(e.status)).inc()
-            return _error_response(e)
+            return e.response()
         if call.req.stream:
             return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -314,7 +357,7 @@ def create_app(st: ServerState) -> FastAPI:
         err = call.failure()
         if err is not None:
             m.requests.labels(endpoint, str(err.status)).inc()
-            return _error_response(err)
+            return err.response()
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(call.response())
@@ -351,4 +394,5 @@ def create_app(st: ServerState) -> FastAPI:
         finally:  # the client went away (or the stream ended): stop what still runs
             call.cancel()
 
+    add_access(app, st.api_key, st.cors_origins)
     return app

@@ -1,17 +1,24 @@
 """Request bodies of the OpenAI API as sapwood serves it (pydantic), and its error objects.
 
 Every field is checked here, before a request reaches a slot: a malformed body or field gets a
-400 whose error object names the field (`param`) and the value it had. Fields the OpenAI API
-defines but sapwood does not implement are accepted only at their neutral value (e.g. `echo:
-false`, empty `logit_bias`); unknown fields are refused, as the OpenAI API refuses them.
+400 whose error object names the field (`param`) and the value it had. The OpenAI API's fields
+fall in three kinds (docs/server.md lists them): honoured; ignored, those that cannot change
+the output here (`user`, `store`, `metadata`, ...: SDK wrappers send them, and a 400 broke
+them); refused unless neutral, those whose other values would change the output in a way
+sapwood does not implement (`tools`, `logit_bias`, `echo`, ...: ignoring them would answer
+something else than was asked, silently). A field's null is its default, as the API's types
+say (clients send null for what they leave unset). Fields the API does not define are refused,
+as the OpenAI API refuses them: a misspelt `temprature` must not pass unnoticed.
 """
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, ClassVar, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
+from starlette.responses import JSONResponse
 
 from ..sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SEED_LIMIT, TOP_K_MAX
 
@@ -25,13 +32,18 @@ class ApiError(Exception):
     object {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers  # of the response: a 405's Allow, a 401's WWW-Authenticate
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _short(v: Any, limit: int = 80) -> str:
@@ -68,6 +80,77 @@ def validation_error(e: ValidationError) -> ApiError:
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """A known field's null means its default: the API's types make most fields Optional and
+        clients send null for those they leave unset (`"n": null` was a 400). An unknown field
+        stays an error, null or not."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+log = logging.getLogger("sapwood.server")
+
+# Fields of the OpenAI API that cannot change what sapwood outputs: accepted with any value and
+# ignored (each logged once per process, so an operator learns what clients send). Storage,
+# billing and caching bookkeeping; `parallel_tool_calls` (no tools run here);
+# `prediction`, a latency hint whose output is the model's own either way; `reasoning_effort`
+# and `verbosity`, hints without a defined effect on an open model (vLLM and llama.cpp
+# ignore them too: the chat template decides).
+IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+           "prompt_cache_retention", "prompt_cache_options")
+IGNORED_CHAT = IGNORED + ("parallel_tool_calls", "prediction", "reasoning_effort", "verbosity")
+_logged: set = set()
+
+
+# the reasons of refusals: each reads after the field's name, "tools: <why> (got ...)"
+_TOOLS = "tool calling is not supported by this server yet (issue 49)"
+_TEXT_ONLY = "this server reads and writes text only"
+
+
+def _zero_bias(v) -> bool:
+    return isinstance(v, dict) and all(type(x) in (int, float) and x == 0 for x in v.values())
+
+
+# Fields of the OpenAI API accepted only at a neutral value (null always: the default): another
+# value would change the output in a way sapwood does not implement, so it is refused naming the
+# field and why, never ignored. field: (is the value neutral, why another is refused)
+REFUSED = {
+    "logit_bias": (_zero_bias, "not supported (a bias changes the distribution that plain "
+                               "decoding and every verify mode share; only zero biases pass)"),
+}
+REFUSED_COMPLETION = {
+    **REFUSED,
+    "echo": (lambda v: v is False, "not supported (the prompt is not returned)"),
+    "best_of": (lambda v: v == 1 and type(v) is int, "not supported (use n)"),
+    "suffix": (lambda v: v == "", "not supported (no insertion)"),
+}
+REFUSED_CHAT = {
+    **REFUSED,
+    "tools": (lambda v: v == [], _TOOLS),
+    "tool_choice": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
+    "functions": (lambda v: v == [], _TOOLS),
+    "function_call": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
+    "response_format": (lambda v: v == {"type": "text"},
+                        "only {'type': 'text'} is supported; structured output (json_object, "
+                        "json_schema) is not yet (issue 49)"),
+    "modalities": (lambda v: v == ["text"], f"only ['text']: {_TEXT_ONLY}"),
+    "audio": (lambda v: False, f"not supported: {_TEXT_ONLY}"),
+    "web_search_options": (lambda v: False, "not supported: this server has no web search"),
+    "moderation": (lambda v: False, "not supported: this server does not moderate requests"),
+}
+
+
+def note_ignored(req, names) -> None:
+    """Log, once per process and field, that a request set a field that is ignored. A warning:
+    `sapwood serve` configures no handler for this logger, and Python shows only warnings then."""
+    for name in names:
+        if name in req.model_fields_set and name not in _logged:
+            _logged.add(name)
+            log.warning("request field %r is accepted and ignored (docs/server.md, 'Fields')", name)
+
 
 class SapwoodOptions(_Strict):
     """The `sapwood` extension field: how the request is decoded, never what it outputs
@@ -80,6 +163,7 @@ class SapwoodOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    include_obfuscation: Any = None  # ignored: random padding against length side channels
 
 
 class _Sampling(_Strict):
@@ -102,9 +186,29 @@ class _Sampling(_Strict):
                                       le=REPETITION_PENALTY_RANGE[1], allow_inf_nan=False)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict] = None
-    user: Optional[StrictStr] = None
     sapwood: SapwoodOptions = Field(default_factory=SapwoodOptions)
+    # ignored (IGNORED) and refused unless neutral (REFUSED): any type here, the validators
+    # below decide
+    logit_bias: Any = None
+    user: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+
+    _refused: ClassVar[dict] = REFUSED  # each request kind's table
+
+    @field_validator("*")
+    @classmethod
+    def _neutral(cls, v, info: ValidationInfo):
+        """A field of the refused kind at any value but its neutral one: a 400 saying why."""
+        rule = cls._refused.get(info.field_name)
+        if rule is not None and not rule[0](v):
+            raise ValueError(rule[1])
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -115,14 +219,6 @@ class _Sampling(_Strict):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported (it would change the distribution "
-                             "the exactness guarantee is about)")
-        return v
 
     def stops(self) -> list:
         return list(self.stop or [])
@@ -144,11 +240,12 @@ def _prompt(v):
 
 
 class CompletionRequest(_Sampling):
+    _refused: ClassVar[dict] = REFUSED_COMPLETION
     prompt: Any
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
-    best_of: Optional[StrictInt] = None
-    suffix: Optional[None] = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -161,13 +258,6 @@ class CompletionRequest(_Sampling):
                 raise ValueError("a prompt is empty")
         return out
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("best_of is not supported (use n)")
-        return v
-
 
 class ContentPart(_Strict):
     type: Literal["text"]
@@ -175,9 +265,44 @@ class ContentPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[StrictStr, List[ContentPart]]
     name: Optional[StrictStr] = None
+    # an assistant turn as the API returns it, sent back: its refusal text and annotations
+    # (web search citations) are ignored, nothing in a chat template renders them; tool calls
+    # and audio are refused, as the request's tools and audio are
+    refusal: Any = None
+    annotations: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    tool_call_id: Any = None  # declared: a tool message is refused for its role, not as unknown
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        """An image's or a file's part refused as such, not as "should be a valid string"."""
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"a {kind!r} content part: only 'text' parts are "
+                                     f"supported ({_TEXT_ONLY})")
+        return v
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v):
+        if v in ("tool", "function"):
+            raise ValueError(f"a tool's result needs tool calling: {_TOOLS}")
+        return v
+
+    @field_validator("tool_calls", "function_call", "audio", "tool_call_id")
+    @classmethod
+    def _unsupported(cls, v, info: ValidationInfo):
+        if info.field_name == "tool_calls" and v == []:
+            return v
+        raise ValueError(f"not supported: {_TEXT_ONLY}" if info.field_name == "audio" else _TOOLS)
 
     def as_template_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -188,19 +313,25 @@ class Message(_Strict):
         return d
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatRequest(_Sampling):
+    _refused: ClassVar[dict] = REFUSED_CHAT
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[List[Any]] = Field(None, max_length=0)
-    tool_choice: Optional[Literal["none"]] = None
-    parallel_tool_calls: Optional[StrictBool] = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
     def limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
