@@ -148,3 +148,120 @@ def test_fp8_without_its_quantization_config_is_refused(fp8_pair, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="is F8_E4M3 but config.json has no FP8"):
         sapwood.load(d, quiet=True)
+
+
+# MLX affine checkpoints, written here as mlx-lm's converter writes them (names, packing,
+# sanitize); test_mlx_lm_converter_and_forward checks the same against mlx-lm itself.
+def mlx_quantize(w: np.ndarray, bits: int, group: int):
+    """(packed uint32, scales, biases, dequantized float32) of a float32 weight [out, in], affine
+    per group: scale = (max - min) / (2^bits - 1), bias = min, q = round((w - bias) / scale)."""
+    out, cols = w.shape
+    g = w.reshape(out, cols // group, group)
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    scale = np.where(hi > lo, (hi - lo) / (2 ** bits - 1), 1.0).astype(np.float32)
+    q = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 2 ** bits - 1).astype(np.uint32)
+    q = q.reshape(out, cols)
+    per = 32 // bits
+    packed = np.zeros((out, cols // per), np.uint32)
+    for j in range(per):
+        packed |= q[:, j::per] << np.uint32(j * bits)
+    deq = (np.repeat(scale, group, 1) * q.astype(np.float32) + np.repeat(lo, group, 1))
+    return packed, scale, lo.astype(np.float32), deq.astype(np.float32)
+
+
+def write_mlx(src, dst, deq_dst, bits=4, group=32, overrides=None):
+    from safetensors.numpy import load_file, save_file
+    overrides = overrides or {}
+    for d in (dst, deq_dst):
+        shutil.copytree(src, d)
+    tensors = load_file(str(src / "model.safetensors"))
+    mlx, deq = {}, {}
+    for name, w in tensors.items():
+        if name.startswith("mtp."):
+            deq[name] = w  # mlx-lm drops the head
+            continue
+        key = "language_model." + name
+        module = key[:-len(".weight")]
+        setting = overrides.get(module, {"bits": bits, "group_size": group})
+        if w.ndim == 2 and setting is not False and w.shape[1] % setting["group_size"] == 0:
+            p, s, b, dq = mlx_quantize(w, setting["bits"], setting["group_size"])
+            mlx[key], mlx[module + ".scales"], mlx[module + ".biases"], deq[name] = p, s, b, dq
+        elif "conv1d.weight" in name:
+            mlx[key], deq[name] = np.ascontiguousarray(np.moveaxis(w, 2, 1)), w
+        elif name.endswith(("layernorm.weight", "model.norm.weight", "q_norm.weight",
+                            "k_norm.weight")):
+            mlx[key], deq[name] = w + np.float32(1.0), (w + np.float32(1.0)) - np.float32(1.0)
+        else:
+            mlx[key], deq[name] = w, w
+    save_file(mlx, str(dst / "model.safetensors"))
+    save_file(deq, str(deq_dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization"] = {"group_size": group, "bits": bits, "mode": "affine", **overrides}
+    cfg["quantization_config"] = dict(cfg["quantization"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("bits, group, overrides", [
+    (4, 32, {}), (8, 64, {}), (2, 32, {}),
+    (4, 64, {"language_model.model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32},
+             "language_model.model.layers.1.mlp.up_proj": False})])
+def test_mlx_loads_as_its_dequantized_float_checkpoint(tmp_path, bits, group, overrides):
+    make_tiny_checkpoint(tmp_path / "float", seed=6, mtp=True)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", bits, group, overrides)
+    a = sapwood.load(tmp_path / "mlx", weights="f32", quiet=True)
+    b = sapwood.load(tmp_path / "deq", weights="f32", quiet=True)
+    assert a.engine.model_id == b.engine.model_id
+    ids = [5, 17, 99, 3, 250, 42]
+    np.testing.assert_array_equal(a.engine.prefill(ids, True), b.engine.prefill(ids, True))
+    assert a.mtp is None  # mlx-lm dropped the head the config still announces
+    kw = dict(max_tokens=10, temperature=0.7, seed=2)
+    assert (a.generate(ids, verify="tree", width=6, drafter="lookup", **kw).tokens
+            == a.generate(ids, verify="off", **kw).tokens)
+
+
+@pytest.mark.parametrize("quant, match", [
+    ({"group_size": 64, "bits": 3}, "expected mlx-lm's"),
+    ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, "mode 'mxfp4'"),
+    ({"group_size": 48, "bits": 4}, "expected mlx-lm's"),
+])
+def test_unread_mlx_settings_are_refused(tmp_path, quant, match):
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq")
+    cfg = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    cfg["quantization"] = quant
+    (tmp_path / "mlx" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        sapwood.load(tmp_path / "mlx", quiet=True)
+
+
+def test_mlx_lm_converter_and_forward(tmp_path):
+    """A checkpoint made by mlx-lm's own converter (4-bit, groups of 64) loads with default
+    options, and its float32 logits track mlx-lm's forward of the same file: within 1e-5 of
+    the largest logit (float32 rounding of two summation orders)."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm import convert, load
+    make_tiny_checkpoint(tmp_path / "hf", seed=4, layout="multimodal")
+    convert(str(tmp_path / "hf"), mlx_path=str(tmp_path / "mlx"), quantize=True, q_bits=4,
+            q_group_size=64)
+    ids = [5, 17, 99, 3, 250, 42, 7, 8]
+    model, _ = load(str(tmp_path / "mlx"))
+    want = np.array(model(mx.array([ids]))[0].astype(mx.float32))
+    got = sapwood.load(tmp_path / "mlx", weights="f32", kv="f32", quiet=True).engine.prefill(ids, True)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    default = sapwood.load(tmp_path / "mlx", quiet=True)
+    assert (default.engine.prefill(ids, True).argmax(1) == want.argmax(1)).all()
+
+
+def test_a_requantizing_load_says_so(fp8_pair, tmp_path):
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq")
+    for d, what in ((tmp_path / "mlx", "MLX affine 4-bit, groups of 32"),
+                    (fp8_pair / "fp8", r"FP8 e4m3 in \[16, 24\] blocks")):
+        with pytest.warns(UserWarning, match=what + r" weights are stored as weights='q8'"):
+            sapwood.load(d, quiet=True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sapwood.load(tmp_path / "mlx", weights="f32", quiet=True)  # exact: nothing to say
+        sapwood.load(tmp_path / "float", quiet=True)

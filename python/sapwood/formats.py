@@ -11,6 +11,16 @@ scale per block of rows x columns; the weight is value * scale (transformers' de
 Each value widens exactly to float32 and the product is rounded once, to float32: the tensor
 the engine gets is within half a float32 ulp of the stored one. Tensors without a scale (the
 `modules_to_not_convert`, norms, the GDN parameters) stay as they are stored.
+
+MLX affine quantization (mlx-lm's converter: `quantization: {"group_size", "bits"}` in
+config.json, per-module overrides by path): `X.weight` packs `bits`-bit values q low bits first
+into uint32, `X.scales` and `X.biases` hold one scale s and bias b per group of inputs, and the
+weight is s * q + b. Read here as that float32 expression (s, b widen exactly; s * q is exact;
+the sum rounds once), so the engine gets what MLX stores within half a float32 ulp; kernels
+that run the groups as stored are the next step. mlx-lm also renames (`language_model.`), moves
+the GDN conv1d's axes ([C, K, 1]) and stores the zero-centred RMSNorm weights plus one: undone
+here (the reshape moves no byte; the minus one is exact for weights in [0.5, 2]). It drops the
+MTP head.
 """
 from __future__ import annotations
 
@@ -76,6 +86,138 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint32) << 16).view(np.float32)
 
 
+def _f32(x: np.ndarray) -> np.ndarray:
+    """A float tensor's rows as read (bf16 as its uint16 bits) as a new float32 array."""
+    return _bf16_bits(x) if x.dtype == np.uint16 else x.astype(np.float32)
+
+
+MLX_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+             ".q_norm.weight", ".k_norm.weight")
+
+
+@dataclass(frozen=True)
+class MlxAffine:
+    """A float tensor stored as MLX affine groups: `bits`-bit values packed in uint32 (low
+    bits first), a scale and a bias per `group` inputs."""
+    name: str
+    weight: TensorInfo
+    scales: TensorInfo
+    biases: TensorInfo
+    bits: int
+    group: int
+
+    dtype = "F32"
+
+    @property
+    def shape(self) -> tuple:
+        return (self.weight.shape[0], self.weight.shape[1] * 32 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.weight.row_bytes
+
+    def rows(self, reader: TensorReader, r0: int, r1: int) -> np.ndarray:
+        n, cols = r1 - r0, self.shape[1]
+        packed = reader.rows(self.weight, r0, r1).reshape(n, -1, 1)
+        shifts = np.arange(0, 32, self.bits, dtype=np.uint32)
+        q = ((packed >> shifts) & np.uint32((1 << self.bits) - 1)).reshape(n, cols)  # a copy
+        s = np.repeat(_f32(reader.rows(self.scales, r0, r1)).reshape(n, -1), self.group, axis=1)
+        b = np.repeat(_f32(reader.rows(self.biases, r0, r1)).reshape(n, -1), self.group, axis=1)
+        return (s * q.astype(np.float32) + b).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Relaid:
+    """A stored tensor read with another shape (same bytes, e.g. conv1d [C, K, 1] as [C, 1, K]),
+    minus `minus` when nonzero (MLX's RMSNorm weights, stored plus one)."""
+    name: str
+    info: TensorInfo
+    shape: tuple
+    minus: float = 0.0
+
+    @property
+    def dtype(self) -> str:
+        return "F32" if self.minus else self.info.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.info.nbytes // self.shape[0] if self.shape[0] else 0
+
+    def rows(self, reader: TensorReader, r0: int, r1: int) -> np.ndarray:
+        if not self.minus:  # rows of the new shape are whole rows of the stored bytes
+            return reader.rows(self._flat(), r0, r1)
+        return _f32(reader.rows(self._flat(), r0, r1)) - np.float32(self.minus)
+
+    def _flat(self) -> TensorInfo:
+        return TensorInfo(self.info.path, self.info.dtype, self.shape, self.info.offset,
+                          self.info.nbytes)
+
+
+def mlx_quantization(raw_config: dict) -> dict | None:
+    """mlx-lm's `quantization` entry of config.json, checked; None when absent."""
+    q = raw_config.get("quantization")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or not _mlx_setting_ok(q):
+        raise ValueError(f"quantization={q!r}: expected mlx-lm's {{'group_size', 'bits'}}")
+    for path, v in q.items():
+        if path not in ("group_size", "bits", "mode") and v is not False and not _mlx_setting_ok(v):
+            raise ValueError(f"quantization[{path!r}]={v!r}: expected {{'group_size', 'bits'}} or false")
+    if q.get("mode", "affine") != "affine":
+        raise ValueError(f"quantization mode {q['mode']!r}: sapwood reads MLX's affine mode")
+    return q
+
+
+def _mlx_setting_ok(v) -> bool:
+    return (isinstance(v, dict) and v.get("bits") in (2, 4, 8)
+            and type(v.get("group_size")) is int and v["group_size"] in (32, 64, 128))
+
+
+def mlx_view(index: dict, quant: dict) -> dict:
+    """The checkpoint's tensors under HF names, every MLX-quantized weight as one MlxAffine,
+    the conv1d weights and RMSNorm weights as transformers has them."""
+    out = {}
+    for name, info in index.items():
+        if name.endswith((".scales", ".biases")):
+            if name.rsplit(".", 1)[0] + ".weight" not in index:
+                raise ValueError(f"{name!r} has no weight beside it")
+            continue
+        hf = name[len("language_model."):] if name.startswith("language_model.") else name
+        module = name[:-len(".weight")] if name.endswith(".weight") else None
+        if module is not None and module + ".scales" in index:
+            setting = quant.get(module, quant)
+            if setting is False:
+                raise ValueError(f"{name!r} has scales but quantization[{module!r}] is false")
+            bits, group = setting["bits"], setting["group_size"]
+            scales, biases = index[module + ".scales"], index.get(module + ".biases")
+            if biases is None:
+                raise ValueError(f"MLX tensor {name!r} has scales but no {module + '.biases'!r}")
+            if (info.dtype != "U32" or len(info.shape) != 2
+                    or tuple(scales.shape) != (info.shape[0], info.shape[1] * 32 // bits // group)
+                    or tuple(biases.shape) != tuple(scales.shape)
+                    or scales.dtype not in ("F32", "F16", "BF16") or biases.dtype != scales.dtype):
+                raise ValueError(f"MLX tensor {name!r}: {info.dtype}{list(info.shape)} with scales "
+                                 f"{scales.dtype}{list(scales.shape)} and biases "
+                                 f"{biases.dtype}{list(biases.shape)} do not make {bits}-bit "
+                                 f"groups of {group}")
+            out[hf] = MlxAffine(hf, info, scales, biases, bits, group)
+        elif "conv1d.weight" in hf and len(info.shape) == 3 and info.shape[2] == 1:
+            out[hf] = Relaid(hf, info, (info.shape[0], 1, info.shape[1]))
+        elif hf.endswith(MLX_NORMS) and len(info.shape) == 1:
+            out[hf] = Relaid(hf, info, tuple(info.shape), minus=1.0)
+        else:
+            out[hf] = info
+    return out
+
+
 def fp8_block_size(raw_config: dict) -> tuple | None:
     """(rows, cols) of an FP8 block-quantized checkpoint's scale blocks, None for a checkpoint
     that does not say it is quantized; ValueError for a quantization sapwood does not read."""
@@ -127,8 +269,12 @@ def fp8_view(index: dict, block: tuple) -> dict:
 
 
 def stored_view(index: dict, raw_config: dict) -> dict:
-    """The checkpoint's tensors as the model reads them: FP8 weights with their scales as
-    BlockFp8 when config.json says so; ValueError for FP8 tensors it does not explain."""
+    """The checkpoint's tensors as the model reads them: MLX affine or FP8 block weights with
+    their scales as one tensor (MlxAffine, BlockFp8) when config.json says so; ValueError for
+    FP8 tensors it does not explain."""
+    quant = mlx_quantization(raw_config)
+    if quant is not None:
+        return mlx_view(index, quant)
     block = fp8_block_size(raw_config)
     if block is not None:
         return fp8_view(index, block)
@@ -138,3 +284,15 @@ def stored_view(index: dict, raw_config: dict) -> dict:
                              "quantization_config (quant_method 'fp8', weight_block_size) to "
                              "scale it by")
     return index
+
+
+def describe(raw_config: dict) -> str | None:
+    """The stored format in a few words, for the note a requantizing load prints; None for a
+    float checkpoint."""
+    q = raw_config.get("quantization")
+    if isinstance(q, dict):
+        return f"MLX affine {q.get('bits')}-bit, groups of {q.get('group_size')}"
+    q = raw_config.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "fp8":
+        return f"FP8 e4m3 in {q.get('weight_block_size')} blocks"
+    return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import BlockFp8, stored_view
+from .formats import describe, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
@@ -112,7 +113,7 @@ class CheckpointTensors(Mapping):
 
     def read(self, name: str, r0: int, r1: int) -> np.ndarray:
         info = self.infos[name]
-        if isinstance(info, BlockFp8):
+        if hasattr(info, "rows"):  # a format's view (formats.py)
             x = info.rows(self._reader, int(r0), int(r1))
         else:
             x = self._reader.rows(info, int(r0), int(r1))
@@ -124,7 +125,7 @@ class CheckpointTensors(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         info = self.infos[name]
-        if isinstance(info, BlockFp8):
+        if hasattr(info, "rows"):
             return info.rows(self._reader, 0, info.shape[0]).reshape(info.shape)
         return self._reader.read(info)
 
@@ -243,6 +244,7 @@ class Checkpoint:
     generation_config: dict
     chat_template: str | None
     mtp_weights: CheckpointTensors | None = None
+    stored_format: str | None = None  # formats.describe: a pre-quantized checkpoint's format
 
 
 def read_config(d: Path) -> ModelConfig:
@@ -268,14 +270,17 @@ def read_checkpoint(path) -> Checkpoint:
         if eos is not None and any(type(e) is not int or e < 0 for e in eos_list):
             raise ValueError(f"{d / 'generation_config.json'}: eos_token_id={eos!r}: must be a "
                              "token id or a list of them")
+    raw_config = _read_json(d / "config.json", "config.json")
     try:
-        index = stored_view(checkpoint_index(d), _read_json(d / "config.json", "config.json"))
+        index = stored_view(checkpoint_index(d), raw_config)
     except ValueError as e:
         raise ValueError(f"{d}: {e}") from None
     weights = CheckpointTensors(check_tensors(cfg, normalize_names(index)), watch={head_name(cfg)})
     _check_values(cfg, weights)
     mtp = None
-    if cfg.mtp_layers:  # a head the config does not announce is ignored, as transformers does
+    # a head the config does not announce is ignored, as transformers does; mlx-lm's
+    # conversion drops the head and keeps the config's announcement
+    if cfg.mtp_layers and not ("quantization" in raw_config and not mtp_tensors(index)):
         infos = mtp_tensors(index)
         try:
             check_mtp_tensors(cfg, infos)
@@ -302,7 +307,7 @@ def read_checkpoint(path) -> Checkpoint:
             raise ValueError(f"{tf}: {len(vocab)} tokens, the largest id {top}, more than the "
                              f"model's vocab_size={cfg.vocab_size}")
         tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
-    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp)
+    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config))
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -358,6 +363,12 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     # the checkpoint checked from its headers first (a config that the tensors contradict is
     # named as such), then its footprint, before any weight is read
     ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
+    if ck.stored_format and weights != "f32":
+        # no kernel runs these groups as stored yet: the values are exact in f32, requantized
+        # (a second rounding) in the engine's own q8/q4/bf16
+        warnings.warn(f"{ck.path.name}: {ck.stored_format} weights are stored as weights="
+                      f"{weights!r} (requantized; weights='f32' keeps their values exactly)",
+                      stacklevel=2)
     if check_memory:
         check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
                                               max_context=max_context), str(ck.path))
