@@ -223,22 +223,17 @@ TopPCut top_p_cut(const Row<T>& row, double top_p) {
 }
 
 // NaN or +inf anywhere, by the bits (integer compares vectorise; float ones with NaNs in play
-// did not): NaN has an all-ones exponent and a mantissa, +inf is exactly 0x7f8.. / 0x7ff0...
-inline bool any_nan_or_posinf(const float* x, size_t n) {
+// did not): NaN has an all-ones exponent and a mantissa, +inf is exactly the exponent's bits.
+template <class T>
+bool any_nan_or_posinf(const T* x, size_t n) {
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  const I inf = sizeof(T) == 4 ? I(0x7f800000) : I(0x7ff0000000000000ll);
+  const I abs = sizeof(T) == 4 ? I(0x7fffffff) : I(0x7fffffffffffffffll);
   int bad = 0;
   for (size_t i = 0; i < n; ++i) {
-    int32_t b;
-    __builtin_memcpy(&b, x + i, 4);
-    bad |= ((b & 0x7fffffff) > 0x7f800000) | (b == 0x7f800000);
-  }
-  return bad;
-}
-inline bool any_nan_or_posinf(const double* x, size_t n) {
-  int bad = 0;
-  for (size_t i = 0; i < n; ++i) {
-    int64_t b;
-    __builtin_memcpy(&b, x + i, 8);
-    bad |= ((b & 0x7fffffffffffffffll) > 0x7ff0000000000000ll) | (b == 0x7ff0000000000000ll);
+    I b;
+    __builtin_memcpy(&b, x + i, sizeof(T));
+    bad |= ((b & abs) > inf) | (b == inf);
   }
   return bad;
 }
