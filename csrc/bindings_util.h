@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,27 @@ class PySource : public TensorSource {
     for (auto item : obj.attr("shapes").cast<py::dict>())
       shapes_[py::str(item.first)] = item.second.cast<std::vector<int64_t>>();
     if (py::hasattr(obj, "chunk_bytes")) chunk_ = obj.attr("chunk_bytes").cast<size_t>();
+    if (py::hasattr(obj, "q4_affine_names"))
+      for (auto n : obj.attr("q4_affine_names")) affine_.insert(py::str(n));
+  }
+  bool has_q4_affine(const std::string& name) const override { return affine_.count(name) > 0; }
+  void q4_affine_rows(const std::string& name, int64_t r0, int64_t r1, const uint8_t** nibbles,
+                      const float** scales, const float** biases) override {
+    py::gil_scoped_acquire gil;
+    held_ = py::object();
+    py::tuple t = obj_.attr("read_q4_affine")(name, r0, r1);
+    SW_CHECK(t.size() == 3, "weights source: read_q4_affine('", name, "') must return 3 arrays");
+    const std::vector<int64_t>& s = shapes_.at(name);
+    const size_t n = size_t(r1 - r0), cols = size_t(s.at(1));
+    auto nib = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(t[0]);
+    auto sc = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(t[1]);
+    auto bi = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(t[2]);
+    SW_CHECK(nib && sc && bi && size_t(nib.size()) == n * cols / 2 &&
+                 size_t(sc.size()) == n * cols / 64 && size_t(bi.size()) == n * cols / 64,
+             "weights source: read_q4_affine('", name, "', ", r0, ", ", r1, ") returned arrays "
+             "of the wrong sizes");
+    held_ = py::make_tuple(nib, sc, bi);
+    *nibbles = nib.data(), *scales = sc.data(), *biases = bi.data();
   }
   ~PySource() override {
     py::gil_scoped_acquire gil;
@@ -153,6 +175,7 @@ class PySource : public TensorSource {
  private:
   py::object obj_, held_;
   std::map<std::string, std::vector<int64_t>> shapes_;
+  std::set<std::string> affine_;
   size_t chunk_ = size_t(32) << 20;
 };
 

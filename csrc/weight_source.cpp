@@ -147,6 +147,15 @@ void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, B
 QMatrix WeightLoader::matrix(const std::string& name, int rows, int cols, WFormat f) {
   check_shape(name, {rows, cols});
   QMatrix m;
+  if ((f == WFormat::Q8 || f == WFormat::Q4) && src_.has_q4_affine(name)) {
+    // a quantized load keeps a pre-quantized 4-bit matrix as stored: quantizing its values
+    // again would round them twice
+    SW_CHECK(cols % kQ4Group == 0, name, ": affine 4-bit groups need ", kQ4Group,
+             " | cols, got ", cols);
+    m.init_affine(rows, cols);
+    stream_q4_affine(name, &m);
+    return m;
+  }
   m.init(rows, cols, f);
   each_block(name, rows, cols,
              [&](int64_t r0, int n, const float* x) { m.set_rows(int(r0), n, x, size_t(cols)); });
@@ -162,6 +171,34 @@ std::vector<float> WeightLoader::vector(const std::string& name, const std::vect
   each_row(name, rows, cols,
            [&](int64_t r, const float* x) { std::memcpy(&out[size_t(r * cols)], x, size_t(cols) * 4); });
   return out;
+}
+
+void WeightLoader::stream_q4_affine(const std::string& name, QMatrix* m) {
+  const int64_t rows = m->rows, groups = m->cols_pad / kQ4Group, row = m->cols_pad / 2;
+  const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes()) / row);
+  uint64_t sum = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += per) {
+    const int64_t r1 = std::min(rows, r0 + per);
+    const uint8_t* nib = nullptr;
+    const float *sc = nullptr, *bi = nullptr;
+    src_.q4_affine_rows(name, r0, r1, &nib, &sc, &bi);
+    for (int64_t i = 0; i < (r1 - r0) * groups; ++i)
+      SW_CHECK(std::isfinite(sc[i]) && std::isfinite(bi[i]), name, " has a non-finite ",
+               std::isfinite(sc[i]) ? "bias " : "scale ", std::isfinite(sc[i]) ? bi[i] : sc[i],
+               " at group ", r0 * groups + i);
+    m->set_affine_rows(int(r0), int(r1 - r0), nib, sc, bi);
+    for (int64_t r = r0; r < r1; ++r) {  // the stored bytes enter the fingerprint, row by row
+      WeightHasher h;
+      h.bytes(nib + size_t(r - r0) * row, size_t(row));
+      h.data(sc + size_t(r - r0) * groups, size_t(groups));
+      h.data(bi + size_t(r - r0) * groups, size_t(groups));
+      sum += mix(h.h ^ mix(uint64_t(r)));
+    }
+  }
+  WeightHasher h;
+  h.bytes(name.data(), name.size());
+  h.value(rows), h.value(int64_t(m->cols)), h.value(sum), h.value(uint64_t(0xaff1e));
+  hashes_[name] = h.h;
 }
 
 uint64_t WeightLoader::fingerprint() const {

@@ -29,7 +29,7 @@ static int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 void QMatrix::init(int r, int c, WFormat f) {
   fmt = f, rows = r, cols = c, cols_pad = 0;
-  f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear();
+  f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear(), bias.clear();
   // Storage is left unwritten (BigVector): set_row(s) write every byte of every row, padding
   // inputs included. Only the padding outputs of the last group of 16 are zeroed here: the
   // kernels read them.
@@ -116,13 +116,27 @@ void QMatrix::set_rows(int o0, int n, const float* w, size_t stride) {
     }
 }
 
+void QMatrix::init_affine(int r, int c) {
+  init(r, c, WFormat::Q4);
+  bias.assign(scale.size(), 0.0f);
+}
+
+void QMatrix::set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
+                              const float* biases) {
+  const size_t row = size_t(cols_pad) / 2, groups = size_t(cols_pad / kQ4Group);
+  std::memcpy(&q4[size_t(o0) * row], nibbles, size_t(n) * row);
+  std::memcpy(&scale[size_t(o0) * groups], scales, size_t(n) * groups * 4);
+  std::memcpy(&bias[size_t(o0) * groups], biases, size_t(n) * groups * 4);
+}
+
 void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   init(r, c, f);
   for (int o = 0; o < r; o += kQ8Group) set_rows(o, std::min(kQ8Group, r - o), w + size_t(o) * c, size_t(c));
 }
 
 size_t QMatrix::bytes() const {
-  return f32.size() * 4 + bf16.size() * 2 + q8.size() + q8_sum.size() * 4 + q4.size() + scale.size() * 4;
+  return f32.size() * 4 + bf16.size() * 2 + q8.size() + q8_sum.size() * 4 + q4.size() +
+         scale.size() * 4 + bias.size() * 4;
 }
 
 void QMatrix::dequant_row(int o, float* out) const {
@@ -141,8 +155,10 @@ void QMatrix::dequant_row(int o, float* out) const {
       const int groups = cols_pad / kQ4Group;
       for (int k = 0; k < cols; ++k) {
         const uint8_t b = q4[q4_byte(o, k)];
-        const int q = ((k % kQ4Group) < kQ4Group / 2 ? (b & 0xF) : (b >> 4)) - 8;
-        out[k] = float(q) * scale[size_t(o) * groups + k / kQ4Group];
+        const int n = (k % kQ4Group) < kQ4Group / 2 ? (b & 0xF) : (b >> 4);
+        const size_t g = size_t(o) * groups + k / kQ4Group;
+        // affine: what formats.MlxAffine reads, scale * q + bias in float32 (no fma)
+        out[k] = affine() ? float(n) * scale[g] + bias[g] : float(n - 8) * scale[g];
       }
       break;
     }

@@ -12,6 +12,8 @@
 //   Q4   : symmetric 4-bit, groups of 64 inputs: scale = amax/7, q in [-7, 7] stored +8 in
 //          nibbles; byte j of a group holds input j (low nibble) and input j+32 (high), so
 //          a group unpacks into two contiguous runs of 32. [rows][cols64/2] + [rows][groups].
+//          Affine (a pre-quantized checkpoint's groups, MLX's, run as stored: `bias` not
+//          empty): the nibble is q in [0, 15] itself and the weight scale * q + bias.
 // Q8 and Q4 multiply int8 activations, quantized per row (scale = amax/127), with exact int32
 // dot products; so a row's result never depends on the other rows in the batch.
 #pragma once
@@ -39,6 +41,7 @@ struct QMatrix {
   std::vector<int32_t> q8_sum;      // Q8: each row's sum of int8 weights (unsigned-x dot kernels)
   BigVector<uint8_t> q4;
   std::vector<float> scale;
+  std::vector<float> bias;          // Q4 affine: per [rows][groups]; empty: symmetric Q4
 
   void quantize(const float* w, int rows, int cols, WFormat fmt);  // init, then set_rows
   // Streaming: init sizes the storage (zero padding), then set_row(o, w) stores row o of W
@@ -49,6 +52,12 @@ struct QMatrix {
   // interleaved formats write each group's bytes in order (set_row scatters 4-byte runs 64
   // bytes apart), the way a load fills a matrix.
   void set_rows(int o0, int n, const float* w, size_t stride);
+  // Q4 affine, as stored: init_affine sizes it; set_affine_rows copies rows [o0, o0 + n) of
+  // nibbles ([n][cols_pad / 2], the Q4 byte order), scales and biases ([n][groups]).
+  void init_affine(int rows, int cols);
+  void set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
+                       const float* biases);
+  bool affine() const { return !bias.empty(); }
   static constexpr int kQ8Group = 16, kQ8Quad = 4;
   static constexpr int kQ8QuadBytes = kQ8Group * kQ8Quad;  // 64: one quad of a group
   // Q8: where input k of output o sits (row padding to 16 outputs stays zero)

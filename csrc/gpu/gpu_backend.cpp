@@ -206,6 +206,8 @@ void GpuBackend::upload_matrix(const QMatrix& m) {
       break;
     }
     case WFormat::Q4:  // already [rows][cols_pad / 2] nibbles + [rows][groups] scales
+      SW_CHECK(!m.affine(), "a pre-quantized checkpoint's affine 4-bit groups (MLX) run on the "
+               "cpu backend only so far; load it with backend='cpu' or weights='f32'");
       put(&g.w, m.q4.data(), R * m.cols_pad / 2);
       put(&g.scale, m.scale.data(), m.scale.size() * 4);
       break;

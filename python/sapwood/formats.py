@@ -120,14 +120,36 @@ class MlxAffine:
     def row_bytes(self) -> int:
         return self.weight.row_bytes
 
-    def rows(self, reader: TensorReader, r0: int, r1: int) -> np.ndarray:
+    @property
+    def q4_affine(self) -> bool:
+        """Whether the engine runs it as stored (QMatrix's affine 4-bit groups of 64)."""
+        return self.bits == 4 and self.group % 64 == 0
+
+    def _groups(self, reader: TensorReader, r0: int, r1: int):
+        """(q [n, cols] uint32, scales [n, cols / group], biases) as new arrays."""
         n, cols = r1 - r0, self.shape[1]
         packed = reader.rows(self.weight, r0, r1).reshape(n, -1, 1)
         shifts = np.arange(0, 32, self.bits, dtype=np.uint32)
         q = ((packed >> shifts) & np.uint32((1 << self.bits) - 1)).reshape(n, cols)  # a copy
-        s = np.repeat(_f32(reader.rows(self.scales, r0, r1)).reshape(n, -1), self.group, axis=1)
-        b = np.repeat(_f32(reader.rows(self.biases, r0, r1)).reshape(n, -1), self.group, axis=1)
+        s = _f32(reader.rows(self.scales, r0, r1)).reshape(n, -1)
+        b = _f32(reader.rows(self.biases, r0, r1)).reshape(n, -1)
+        return q, s, b
+
+    def rows(self, reader: TensorReader, r0: int, r1: int) -> np.ndarray:
+        q, s, b = self._groups(reader, r0, r1)
+        s, b = (np.repeat(v, self.group, axis=1) for v in (s, b))
         return (s * q.astype(np.float32) + b).reshape(-1)
+
+    def q4_affine_rows(self, reader: TensorReader, r0: int, r1: int):
+        """Rows [r0, r1) as the engine stores affine 4-bit groups of 64: nibbles with input j of
+        a group low and input j + 32 high in byte j, scales and biases per 64 inputs (a group
+        of 128 is two with its scale and bias)."""
+        q, s, b = self._groups(reader, r0, r1)
+        g = q.astype(np.uint8).reshape(r1 - r0, -1, 64)
+        nibbles = g[:, :, :32] | (g[:, :, 32:] << 4)
+        per = self.group // 64
+        return (np.ascontiguousarray(nibbles).reshape(-1), np.repeat(s, per, axis=1).reshape(-1),
+                np.repeat(b, per, axis=1).reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -296,3 +318,15 @@ def describe(raw_config: dict) -> str | None:
     if isinstance(q, dict) and q.get("quant_method") == "fp8":
         return f"FP8 e4m3 in {q.get('weight_block_size')} blocks"
     return None
+
+
+def requantized(infos: dict, weights: str) -> int:
+    """How many stored quantized tensors a load in `weights` rounds a second time: all of them
+    but in f32; in q4/q8 only those no kernel runs as stored (affine 4-bit groups of 64 do)."""
+    n = 0
+    for info in infos.values():
+        if isinstance(info, BlockFp8):
+            n += weights != "f32"
+        elif isinstance(info, MlxAffine):
+            n += weights == "bf16" or (weights in ("q4", "q8") and not info.q4_affine)
+    return n

@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import describe, stored_view
+from .formats import describe, requantized, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
@@ -122,6 +122,18 @@ class CheckpointTensors(Mapping):
         if self.on_bytes is not None:
             self.on_bytes((r1 - r0) * info.row_bytes)
         return x
+
+    @property
+    def q4_affine_names(self) -> list:
+        """Matrices stored as affine 4-bit groups the engine runs as stored (formats.py)."""
+        return [n for n, i in self.infos.items() if getattr(i, "q4_affine", False)]
+
+    def read_q4_affine(self, name: str, r0: int, r1: int):
+        info = self.infos[name]
+        out = info.q4_affine_rows(self._reader, int(r0), int(r1))
+        if self.on_bytes is not None:
+            self.on_bytes((r1 - r0) * info.row_bytes)
+        return out
 
     def __getitem__(self, name: str) -> np.ndarray:
         info = self.infos[name]
@@ -363,11 +375,10 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     # the checkpoint checked from its headers first (a config that the tensors contradict is
     # named as such), then its footprint, before any weight is read
     ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
-    if ck.stored_format and weights != "f32":
-        # no kernel runs these groups as stored yet: the values are exact in f32, requantized
-        # (a second rounding) in the engine's own q8/q4/bf16
-        warnings.warn(f"{ck.path.name}: {ck.stored_format} weights are stored as weights="
-                      f"{weights!r} (requantized; weights='f32' keeps their values exactly)",
+    again = requantized(ck.weights.infos, weights)
+    if again:  # no kernel runs them as stored: exact in f32, rounded again in q8/q4/bf16
+        warnings.warn(f"{ck.path.name}: {again} {ck.stored_format} tensors are rounded again "
+                      f"for weights={weights!r} (weights='f32' keeps their values exactly)",
                       stacklevel=2)
     if check_memory:
         check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
