@@ -184,7 +184,8 @@ class Model:
         draft keeps few of them.
 
         Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
-        generator yielding token ids as they are committed, then the result via StopIteration.
+        generator yielding token ids as they are committed, then the result via StopIteration
+        (its `stats` are the request's so far, for a stream that is closed or interrupted).
         cache_prompt=True restores the committed state of an identical previous prompt
         instead of prefilling it again, the target's and a draft model's (benchmarks of long
         contexts use it).
@@ -261,7 +262,7 @@ class Model:
                 release()
 
         if stream:
-            return _Stream(run(), release)
+            return _Stream(run(), release, dec.stats)
         gen = run()
         try:
             while True:
@@ -354,10 +355,14 @@ class Model:
 class _Stream:
     """generate(stream=True)'s iterator: token ids, then the GenerationResult as
     StopIteration's value. The model stays claimed until the stream is exhausted, closed or
-    dropped; a generator closed before it started runs no cleanup, hence `release`."""
+    dropped; a generator closed before it started runs no cleanup, hence `release`.
 
-    def __init__(self, gen, release):
-        self._gen, self._release = gen, release
+    stats: the request's GenerationStats as they stand, final once the stream has ended,
+    closed or been interrupted (a stream cut short by Ctrl-C has no result: `sapwood generate`
+    reports these); tokens counts those decoded, a stop string's held-back ones included."""
+
+    def __init__(self, gen, release, stats):
+        self._gen, self._release, self.stats = gen, release, stats
 
     def __iter__(self):
         return self
