@@ -175,7 +175,8 @@ std::vector<float> WeightLoader::vector(const std::string& name, const std::vect
 
 void WeightLoader::stream_q4_affine(const std::string& name, QMatrix* m) {
   const int64_t rows = m->rows, groups = m->cols_pad / kQ4Group, row = m->cols_pad / 2;
-  const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes()) / row);
+  // chunks as many rows as a float chunk: the source unpacks a chunk's values on the way
+  const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes()) / (int64_t(m->cols) * 4));
   uint64_t sum = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += per) {
     const int64_t r1 = std::min(rows, r0 + per);

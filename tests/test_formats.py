@@ -308,3 +308,16 @@ def test_mlx_4bit_on_a_gpu_backend_is_refused_by_name(tmp_path):
     write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 4, 64)
     with pytest.raises(ValueError, match="affine 4-bit groups .* cpu backend only"):
         sapwood.load(tmp_path / "mlx", weights="q4", backend="metal-emulated", quiet=True)
+
+
+def test_affine_rows_give_the_exact_largest_weight(tmp_path):
+    """The LM head's largest |weight| (the logit bound loading checks) comes with the stored
+    rows, from each group's smallest and largest q, equal to the dequantized tensor's."""
+    from sapwood.loading import read_checkpoint
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 4, 64)
+    ck = read_checkpoint(tmp_path / "mlx")
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        info = ck.weights.infos[name]
+        *_, amax = info.q4_affine_rows(ck.weights._reader, 0, info.shape[0])
+        assert amax == np.abs(ck.weights[name]).max()

@@ -143,13 +143,16 @@ class MlxAffine:
     def q4_affine_rows(self, reader: TensorReader, r0: int, r1: int):
         """Rows [r0, r1) as the engine stores affine 4-bit groups of 64: nibbles with input j of
         a group low and input j + 32 high in byte j, scales and biases per 64 inputs (a group
-        of 128 is two with its scale and bias)."""
+        of 128 is two with its scale and bias); and the largest |weight| among them (a
+        group's extremes sit at its smallest and largest q: the weight is linear in q)."""
         q, s, b = self._groups(reader, r0, r1)
         g = q.astype(np.uint8).reshape(r1 - r0, -1, 64)
         nibbles = g[:, :, :32] | (g[:, :, 32:] << 4)
         per = self.group // 64
-        return (np.ascontiguousarray(nibbles).reshape(-1), np.repeat(s, per, axis=1).reshape(-1),
-                np.repeat(b, per, axis=1).reshape(-1))
+        s, b = np.repeat(s, per, axis=1), np.repeat(b, per, axis=1)
+        ends = [s * g.min(axis=2).astype(np.float32) + b, s * g.max(axis=2).astype(np.float32) + b]
+        amax = float(max(np.abs(e).max() for e in ends)) if g.size else 0.0
+        return np.ascontiguousarray(nibbles).reshape(-1), s.reshape(-1), b.reshape(-1), amax
 
 
 @dataclass(frozen=True)

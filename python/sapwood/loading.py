@@ -130,10 +130,12 @@ class CheckpointTensors(Mapping):
 
     def read_q4_affine(self, name: str, r0: int, r1: int):
         info = self.infos[name]
-        out = info.q4_affine_rows(self._reader, int(r0), int(r1))
+        *out, amax = info.q4_affine_rows(self._reader, int(r0), int(r1))
+        if name in self.watch:
+            self.amax[name] = max(self.amax.get(name, 0.0), amax)
         if self.on_bytes is not None:
             self.on_bytes((r1 - r0) * info.row_bytes)
-        return out
+        return tuple(out)
 
     def __getitem__(self, name: str) -> np.ndarray:
         info = self.infos[name]
