@@ -321,3 +321,17 @@ def test_affine_rows_give_the_exact_largest_weight(tmp_path):
         info = ck.weights.infos[name]
         *_, amax = info.q4_affine_rows(ck.weights._reader, 0, info.shape[0])
         assert amax == np.abs(ck.weights[name]).max()
+
+
+@pytest.mark.parametrize("weights", ["q4", "q8", "f32"])
+def test_the_memory_estimate_counts_stored_groups(tmp_path, weights):
+    """sapwood.estimate of an MLX 4-bit checkpoint: its matrices kept as stored in q4/q8
+    loads (a scale and a bias per 64 inputs), the engine's own figure, to the byte."""
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 4, 64)
+    est = sapwood.estimate(tmp_path / "mlx", weights=weights)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = sapwood.load(tmp_path / "mlx", weights=weights, quiet=True)
+    assert est.parts["weights"] == m.engine.memory()["weights_bytes"]

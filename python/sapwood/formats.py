@@ -333,3 +333,13 @@ def requantized(infos: dict, weights: str) -> int:
         elif isinstance(info, MlxAffine):
             n += weights == "bf16" or (weights in ("q4", "q8") and not info.q4_affine)
     return n
+
+
+def stored_matrices(raw_config: dict) -> str | None:
+    """"q4a" when a quantized load keeps the checkpoint's matrices as stored (MLX 4-bit groups
+    of 64 or 128; per-module settings other than those are rounded again: the memory estimate
+    counts the global setting), else None."""
+    q = raw_config.get("quantization")
+    if isinstance(q, dict) and q.get("bits") == 4 and q.get("group_size") in (64, 128):
+        return "q4a"
+    return None

@@ -18,7 +18,7 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import describe, requantized, stored_view
+from .formats import describe, requantized, stored_matrices, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
@@ -259,6 +259,7 @@ class Checkpoint:
     chat_template: str | None
     mtp_weights: CheckpointTensors | None = None
     stored_format: str | None = None  # formats.describe: a pre-quantized checkpoint's format
+    stored_matrices: str | None = None  # formats.stored_matrices
 
 
 def read_config(d: Path) -> ModelConfig:
@@ -321,7 +322,8 @@ def read_checkpoint(path) -> Checkpoint:
             raise ValueError(f"{tf}: {len(vocab)} tokens, the largest id {top}, more than the "
                              f"model's vocab_size={cfg.vocab_size}")
         tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
-    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config))
+    return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config),
+                      stored_matrices(raw_config))
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -384,7 +386,8 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
                       stacklevel=2)
     if check_memory:
         check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
-                                              max_context=max_context), str(ck.path))
+                                              max_context=max_context,
+                                              stored=ck.stored_matrices), str(ck.path))
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
     nthreads = 0 if threads is None else threads
