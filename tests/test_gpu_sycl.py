@@ -1,7 +1,7 @@
 """The SYCL device layer (emu/sycl_device.cpp over sycl/sycl_ops.hpp): the sycl/*.hpp kernels
 behind the Metal kernel names, argument order and launch shape. What is SYCL-specific is here;
-the op oracles (tests/test_gpu_ops.py) and the four families' bitwise checks
-(tests/test_gpu_device.py) already run on "sycl-emulated" through _core.gpu_devices().
+the op oracles (tests/test_gpu_ops.py, tests/test_gpu_state.py, tests/test_backend_ops.py)
+already run on "sycl-emulated" through _core.gpu_devices() and _core.available_backends().
 
 - the registry is the Metal kernels', with their buffer and threadgroup-memory counts;
 - every kernel gives the same bits on both emulated devices (the ports keep Metal's
@@ -26,6 +26,8 @@ import test_gpu_ops as op_cases  # the oracle cases, reused by the mutants (not 
 from sapwood import _core
 from sapwood.reference import quant
 from test_gpu_device import source_signatures
+from test_gpu_state import SMALL, gdn_case, paged_history, tree_attention, tree_inputs
+from util import TREES
 
 SYCL, METAL = "sycl-emulated", "metal-emulated"
 
@@ -47,8 +49,8 @@ def f32(rng, *shape, scale=1.0):
 
 
 def cases(rng):
-    """{kernel: (args, groups, threads, threadgroup_bytes)} for every kernel the four families'
-    tests do not already compare bitwise (tests/test_gpu_device.py)."""
+    """{kernel: (args, groups, threads, threadgroup_bytes)} for every kernel but the sequence
+    state's (compared below) and those whose bits are the reference's on every device."""
     vocab, hidden, n = 40, 200, 5
     tokens = np.array([3, 0, 39, 3, 40], np.int32)  # the last is outside the table
     w = f32(rng, vocab, hidden)
@@ -99,12 +101,15 @@ def cases(rng):
     return c
 
 
-ALREADY_COMPARED = {"kv_quantize", "tree_attn_partial", "tree_attn_merge", "gdn_conv", "gdn_recur", "gdn_commit",
-                    "gdn_window", "q8_quantize_rows", "q8_matmul"}
+# bitwise the numpy reference's on every device (test_gpu_state.py, test_gpu_ops.py), so each other's
+REFERENCE_BITS = {"kv_quantize", "q8_quantize_rows", "q8_matmul"}
+# compared by test_sequence_state_same_bits_as_metal
+SEQUENCE_STATE = {"tree_attn_partial", "tree_attn_merge", "gdn_conv", "gdn_recur", "gdn_commit", "gdn_window"}
 
 
 def test_the_cases_cover_every_kernel():
-    assert set(cases(np.random.default_rng(0))) | ALREADY_COMPARED == set(_core.gpu_emulated_kernels(SYCL))
+    covered = set(cases(np.random.default_rng(0))) | REFERENCE_BITS | SEQUENCE_STATE
+    assert covered == set(_core.gpu_emulated_kernels(SYCL))
 
 
 @pytest.mark.parametrize("kernel", sorted(cases(np.random.default_rng(0))))
@@ -120,6 +125,17 @@ def test_same_bits_as_the_metal_kernel(kernel):
     assert outs[METAL] == outs[SYCL]
     before = [a.tobytes() for a in args if isinstance(a, np.ndarray)]
     assert outs[SYCL] != before, f"{kernel}: the case writes nothing, so it compares nothing"
+
+
+def test_sequence_state_same_bits_as_metal():
+    """Tree attention over pages and the tree, and two rounds of GDN (a replayed commit, a
+    selected one) bound as test_gpu_state.py binds them: every output byte-identical."""
+    kv = paged_history(SMALL, 100, 5)
+    q, k, v = tree_inputs(SMALL, 9, 5)
+    metal, sycl = (tree_attention(dev, q, kv, k, v, TREES["random3"]) for dev in (METAL, SYCL))
+    assert metal.tobytes() == sycl.tobytes()
+    metal, sycl = (gdn_case(dev) for dev in (METAL, SYCL))
+    assert [a.tobytes() for a in metal] == [a.tobytes() for a in sycl]
 
 
 def butterfly(v):
