@@ -62,18 +62,6 @@ def _sources(api: str, kind: str, first: Path | None):
     dirs = ([first] if first else []) + [own] + ([EMU] if kind == "selftest" else [])
     files = sorted(p for p in EMU.rglob("*") if p.is_file())
     files += sorted(p for p in own.iterdir() if p.suffix in (".h", ".hpp"))
-    if kind == "device" and api == "sycl":  # every sycl/ source (an edited one first), Metal's blocks
-        dirs += [METAL, ROOT / "csrc"]
-        names = sorted(p.name for p in SYCL.iterdir() if p.suffix in (".hpp", ".cpp"))
-        files += [next(d / n for d in dirs if (d / n).exists()) for n in names]
-        files += [METAL / "sw_common.h", ROOT / "csrc" / "gpu" / "device.h"]
-        return dirs, files
-    if kind == "device":  # the whole registry: every .metal (an edited one first), the device layer
-        dirs.append(ROOT / "csrc")
-        names = sorted({p.name for d in dirs[:-1] for p in d.glob("*.metal")})
-        files += [next(d / n for d in dirs if (d / n).exists()) for n in names]
-        files.append(ROOT / "csrc" / "gpu" / "device.h")
-        return dirs, files
     name = KERNEL_FILE[api][kind]
     files.append(next(d / name for d in dirs if (d / name).exists()))
     return dirs, files
@@ -304,16 +292,6 @@ class GDN:
         return s
 
 
-def replace_nth_in_code(text, needle, n, repl=""):
-    """Replace the n-th occurrence of needle that is code (not inside a // comment): the
-    mutation tests' edit of a kernel source."""
-    i, seen = -1, -1
-    while seen < n:
-        i = text.index(needle, i + 1)
-        seen += "//" not in text[text.rfind("\n", 0, i) + 1:i]
-    return text[:i] + repl + text[i + len(needle):]
-
-
 # ---- the device layer (csrc/gpu/device.h) through _core.gpu_run ----
 
 def pack(*fields) -> bytes:
@@ -330,40 +308,9 @@ def devices() -> list[str]:
 
 def run(device, kernel, args, groups, threads, threadgroup_bytes=()):
     """One dispatch and wait: args[i] is [[buffer(i)]] (arrays are written back in place).
-    device: a name of _core.gpu_devices(), or an EmulatedDevice (a mutant build)."""
+    device: a name of _core.gpu_devices(), or a mutant_device.MutantDevice (an edited kernel)."""
     groups = [groups] if isinstance(groups, int) else list(groups)
-    if isinstance(device, EmulatedDevice):
+    if not isinstance(device, str):
         return device.run(kernel, list(args), groups, threads, list(threadgroup_bytes))
     from sapwood import _core
     _core.gpu_run(device, kernel, list(args), groups, threads, list(threadgroup_bytes))
-
-
-class EmulatedDevice:
-    """emu/metal_device.cpp (api "metal") or emu/sycl_device.cpp (api "sycl") built by build()
-    (launch_device.cpp) with the kernel sources of `override` found before metal/ or sycl/: how
-    the mutation tests run an edited kernel through the same registry and binding as _core's
-    emulated device."""
-
-    def __init__(self, override: Path | None = None, api: str = "metal"):
-        self.lib = _Lib(build(api, "device", override))
-        self.name = f"emulated({override.name if override else api})"
-
-    def __repr__(self):
-        return self.name
-
-    def run(self, kernel, args, groups, threads, threadgroup_bytes):
-        n = len(args)
-        keep = [a if isinstance(a, np.ndarray) else ctypes.create_string_buffer(a, len(a)) for a in args]
-        for a in keep:
-            assert not isinstance(a, np.ndarray) or a.flags.c_contiguous, kernel
-        ptrs = (ctypes.c_void_p * n)(*[ctypes.cast(a, ctypes.c_void_p) if not isinstance(a, np.ndarray)
-                                       else a.ctypes.data for a in keep])
-        sizes = (ctypes.c_size_t * n)(*[a.nbytes if isinstance(a, np.ndarray) else len(b) for a, b in zip(keep, args)])
-        blocks = (ctypes.c_int * n)(*[0 if isinstance(a, np.ndarray) else 1 for a in args])
-        g = (ctypes.c_uint32 * 3)(*(list(groups) + [1, 1])[:3])
-        tg = (ctypes.c_size_t * max(1, len(threadgroup_bytes)))(*threadgroup_bytes)
-        fn = self.lib.dll.sw_device_run
-        fn.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-        if fn(kernel.encode(), n, ptrs, sizes, blocks, g, threads, len(threadgroup_bytes), tg) != 0:
-            raise EmuError(self.lib.dll.sw_last_error().decode())

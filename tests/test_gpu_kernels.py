@@ -10,8 +10,7 @@ Tolerances are the CPU tests' (test_tree_attention.py, test_gdn.py give the reas
 attention (against the int8-query oracle, as the kernels round queries like keys), 2e-4 for GDN, bitwise for int8 quantization and for q8 (integer dots; the two final
 float products in the same order as the numpy model). Within a backend the invariances are
 bitwise: a node's output is the same in a tree, in its chain, and alone after its ancestors were
-committed. Mutation tests delete a barrier or a simdgroup reduction from a kernel and require
-the suite to notice, so the emulator demonstrably checks synchronisation.
+committed. The mutation tests (tests/test_gpu_mutants.py) run on the device layer.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import os
 import re
 import subprocess
 import sysconfig
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -366,97 +364,6 @@ def test_kernels_really_synchronise(built):
     before = lib.barrier_waits()
     attention_error(_backend("metal-emu"), SMALL, 100, "random1", 64)
     assert lib.barrier_waits() > before
-
-
-# Each mutant: (api, kernel family, edit). Edits delete the n-th barrier or reduction call, or
-# make one thread leave early. The oracle case must then fail: wrong numbers or an emulator error.
-BARRIER_M = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-
-
-_delete = gu.replace_nth_in_code
-
-
-def _early_return(kernel, cond):
-    def edit(text):
-        i = text.index("\n{\n", text.index(f"kernel void {kernel}(")) + 3
-        return text[:i] + f"  if ({cond}) return;\n" + text[i:]
-    return edit
-
-
-MUTANTS = {
-    "metal-attn-barrier-loaded": ("metal", "attention", lambda t: _delete(t, BARRIER_M, 0)),
-    "metal-attn-barrier-consumed": ("metal", "attention", lambda t: _delete(t, BARRIER_M, 1)),
-    "metal-attn-simd_sum": ("metal", "attention", lambda t: _delete(t, "simd_sum(", 0, "(")),
-    # the tile's score max (the kernel's first simd_max is the query's int8 amax)
-    "metal-attn-simd_max": ("metal", "attention", lambda t: _delete(t, "simd_max(", 1, "(")),
-    "metal-kv-simd_max": ("metal", "kv", lambda t: _delete(t, "simd_max(", 0, "(")),
-    "metal-gdn-barrier-recur": ("metal", "gdn", lambda t: _delete(t, BARRIER_M, 2)),
-    "metal-gdn-barrier-commit": ("metal", "gdn", lambda t: _delete(t, BARRIER_M, 5)),
-    "metal-q8-barrier": ("metal", "q8", lambda t: _delete(t, BARRIER_M, 0)),
-    "sycl-attn-barrier": ("sycl", "attention", lambda t: _delete(t, "barrier(it);", 0)),
-    # a whole simdgroup, so that the first sync point it skips is a barrier, not a simd_max
-    "metal-attn-early-return": ("metal", "attention", _early_return("tree_attn_partial", "tid / 32 == 1")),
-    "metal-kv-lane-return": ("metal", "kv", _early_return("kv_quantize", "lane == 7")),
-}
-
-
-@pytest.fixture(scope="module")
-def mutants(tmp_path_factory, built):
-    """Build every mutant once, two compilers at a time."""
-    dirs = {name: tmp_path_factory.mktemp(name) for name in MUTANTS}  # not thread-safe: first
-
-    def make(name):
-        api, kind, edit = MUTANTS[name]
-        src = (gu.METAL if api == "metal" else gu.SYCL) / gu.KERNEL_FILE[api][kind]
-        text = src.read_text()
-        (dirs[name] / src.name).write_text(edit(text))
-        assert (dirs[name] / src.name).read_text() != text
-        b = gu.Backend(f"{api}-emu", overrides={kind: dirs[name]})
-        b.lib(kind)
-        return name, b
-
-    with ThreadPoolExecutor(2) as ex:
-        return dict(ex.map(make, MUTANTS))
-
-
-def _oracle_failure(b, kind):
-    """Run the family's oracle case on backend b; return why it failed, or None if it passed."""
-    try:
-        if kind == "attention":
-            err = attention_error(b, SMALL, 100, "random1", 64)
-            return f"max error {err:.3g}" if not err <= ATTN_ATOL else None
-        if kind == "kv":
-            x = quant_inputs(np.random.default_rng(1), 5, 2, 96)
-            q, s = b.kv_quantize_direct(x)
-            rq, rs = refkv.quantize_int8(x)
-            return None if (q == rq).all() and (s == rs).all() else "quantized bytes differ"
-        if kind == "q8":
-            rng = np.random.default_rng(3)
-            w = rng.integers(-127, 128, (43, 320)).astype(np.int8)
-            x = rng.standard_normal((5, 300)).astype(np.float32)
-            xq, xs = b.q8_quantize_rows(x, 320)
-            return None if (xq == q8_model(w, np.ones(43, np.float32), x, 320)[0]).all() else "q8 bytes differ"
-        err = gdn_error(b, GDN_SMALL, "random1", 3, "grouped")
-        return f"max error {err:.3g}" if not err <= GDN_ATOL else None
-    except gu.EmuError as e:
-        return f"emulator: {e}"
-
-
-@pytest.mark.parametrize("name", [n for n in MUTANTS if "return" not in n])
-def test_mutant_is_caught(mutants, name):
-    """Deleting one barrier or one simdgroup reduction must make the oracle case fail."""
-    why = _oracle_failure(mutants[name], MUTANTS[name][1])
-    assert why is not None, f"{name}: the oracle suite did not notice the mutation"
-
-
-def test_early_return_before_barrier_is_reported(mutants):
-    with pytest.raises(gu.EmuError, match=r"partial barrier.*only 224 of 256 threads.*thread 32 returned"):
-        attention_error(mutants["metal-attn-early-return"], SMALL, 100, "random1", 64)
-
-
-def test_lane_return_before_simd_reduction_is_reported(mutants):
-    with pytest.raises(gu.EmuError, match=r"partial simdgroup collective: simd_max.*31 of 32 lanes.*lane 7 returned"):
-        mutants["metal-kv-lane-return"].kv_quantize_direct(np.ones((2, 1, 32), np.float32))
 
 
 def test_emulator_selftest(built):
