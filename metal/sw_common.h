@@ -1,4 +1,4 @@
-// Shared by every .metal file, the Metal host (metal_backend.mm) and the emulator launchers:
+// Shared by every .metal file, the GPU backend (csrc/gpu/) and the emulator (emu/):
 // compile-time limits and the parameter blocks passed as `constant` buffers. Plain ints and
 // floats only, so the layout is the same in MSL and in C++.
 #pragma once

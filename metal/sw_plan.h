@@ -1,5 +1,5 @@
-// Host-side launch planning for tree attention, shared by metal_backend.mm and the emulator
-// launcher (so the planning the tests exercise is the one the Metal host runs). C++ only.
+// Host-side launch planning for tree attention: the GPU backend's (csrc/gpu/gpu_state.cpp), the
+// same on every device. C++ only.
 //
 // From parents: each row's depth, its root-to-node path (anc[i][d] = the node at depth d on
 // row i's path) and row_len[i] = hist_len + depth + 1 keys. Rows go in blocks of at most

@@ -1,4 +1,4 @@
-// Shared by the SYCL kernels (sycl/*.hpp), the SYCL host (sycl_backend.cpp) and the emulator:
+// Shared by the SYCL kernels (sycl/*.hpp), their op table (sycl_ops.hpp) and the emulator:
 // limits, per-kernel argument blocks (device pointers + sizes, trivially copyable so a kernel
 // lambda can capture them), and the traits layer that routes sub-group operations, barriers
 // and math either to SYCL 2020 or to the emulator (SW_SYCL_EMU).
@@ -118,46 +118,5 @@ struct Q8Args {
   float* y;                  // [rows, out]
   int rows, cols, cols_pad, out_features;
 };
-
-// ---- host-side planning, shared by sycl_backend.cpp and the emulator launcher ----
-// From parents: depth, root-to-node paths (anc[i][d] = node at depth d on row i's path) and
-// row_len[i] = hist_len + depth + 1. Rows go in blocks of at most 32 * kAttnMaxP (row, query
-// head) pairs. No row's arithmetic depends on any of it (see tree_attention.hpp).
-struct AttnPlan {
-  int n_rows, stride, grp, rows_per_block;
-};
-
-// depth, anc, row_len: caller buffers of n, n * n, n ints. max_subgroups: the device's work-group
-// limit / 32 (32 in the emulator). Returns 0, or -1 for bad parents.
-inline int attn_plan(const int32_t* parents, int n, int hist_len, int n_q_heads, int n_kv_heads,
-                     int max_subgroups, int32_t* depth, int32_t* anc, int32_t* row_len, AttnPlan* plan) {
-  int max_depth = 0;
-  for (int i = 0; i < n; ++i) {
-    if (i == 0 ? parents[0] != -1 : (parents[i] < 0 || parents[i] >= i)) return -1;
-    depth[i] = i == 0 ? 0 : depth[parents[i]] + 1;
-    max_depth = imax(max_depth, depth[i]);
-  }
-  plan->n_rows = n;
-  plan->stride = max_depth + 1;
-  plan->grp = n_q_heads / n_kv_heads;
-  plan->rows_per_block = imax(1, max_subgroups * kAttnMaxP / plan->grp);
-  for (int i = 0; i < n; ++i) {
-    for (int k = i; k >= 0; k = parents[k]) anc[i * plan->stride + depth[k]] = k;
-    row_len[i] = hist_len + depth[i] + 1;
-  }
-  return 0;
-}
-
-// Rows [r0, r0 + *nr) form the next block: its chunk count and sub-groups per work-group.
-inline void attn_block(const AttnPlan& plan, const int32_t* row_len, int r0, int split, int* nr,
-                       int* n_chunks, int* nsg) {
-  *nr = imin(plan.rows_per_block, plan.n_rows - r0);
-  int max_len = 0;
-  for (int i = r0; i < r0 + *nr; ++i) max_len = imax(max_len, row_len[i]);
-  *n_chunks = (max_len + split - 1) / split;
-  *nsg = (*nr * plan.grp + kAttnMaxP - 1) / kAttnMaxP;
-}
-
-inline int attn_local_bytes(int head_dim) { return 72 * head_dim; }  // int8 K, V tiles + scales
 
 }  // namespace swsycl

@@ -12,7 +12,7 @@
 // Built only where CMake finds a SYCL compiler (icpx -fsycl, or acpp), into its own library that
 // _core loads at run time (csrc/bindings_gpu.cpp), so a missing SYCL runtime never stops `import
 // sapwood`. Written against the SYCL 2020 specification and type-checked here with g++
-// -fsyntax-only against the intel-sycl-rt headers (tests/test_gpu_kernels.py); never compiled by
+// -fsyntax-only against the intel-sycl-rt headers (tests/test_gpu_sources.py); never compiled by
 // a SYCL compiler nor run on a device in this project's CI.
 #include <algorithm>
 #include <cstdio>

@@ -266,6 +266,17 @@ class Oracle:
 ATT_TOL, GDN_TOL = 1e-4, 2e-4
 
 
+def prefill(ops_, ref, rng, chunks):
+    """Prefill chunks of these lengths, each committed as it goes, against the oracle."""
+    for n in chunks:
+        att, gdn = tree_inputs(rng, ref.cfg, n)
+        a, g = ops_.forward(n, {0: att}, {0: gdn})
+        wa, wg = ref.forward(att, gdn, np.arange(n) - 1)
+        ref.commit(list(range(n)), max_pending=0)
+        assert_close(a[0], wa, ATT_TOL, f"prefill attention, {n} rows to {ops_.length} keys")
+        assert_close(g[0], wg, GDN_TOL, f"prefill GDN, {n} rows")
+
+
 @pytest.mark.parametrize("tree", ["chain16", "star16", "random1", "random4"])
 def test_forward_state(checkpoint, backend, rng, tree):
     """Int8 KV quantize-and-store, tree attention over pages + the tree, GDN conv and
@@ -277,13 +288,7 @@ def test_forward_state(checkpoint, backend, rng, tree):
     ops_ = make_ops(checkpoint, backend)
     ref = Oracle(cfg, weights)
     with on(backend):
-        for n in (40, 9):  # a prefill in two chunks: the second one sees the first in pages
-            att, gdn = tree_inputs(rng, cfg, n)
-            a, g = ops_.forward(n, {0: att}, {0: gdn})
-            wa, wg = ref.forward(att, gdn, np.arange(n) - 1)
-            ref.commit(list(range(n)), max_pending=0)
-            assert_close(a[0], wa, ATT_TOL, f"prefill attention, {n} rows")
-            assert_close(g[0], wg, GDN_TOL, f"prefill GDN, {n} rows")
+        prefill(ops_, ref, rng, (40, 9))  # in two chunks: the second one sees the first in pages
         assert ops_.length == 49
         parents = TREES[tree]
         for rnd in range(3):
@@ -300,6 +305,31 @@ def test_forward_state(checkpoint, backend, rng, tree):
             ref.forward(*chain, np.arange(len(path)) - 1)
             ref.commit(list(range(len(path))))
             assert ops_.length == 49 + sum(len(path_to(parents, len(parents) - 1)) for _ in range(rnd + 1))
+
+
+def test_long_forwards(checkpoint, backend, rng):
+    """Longer forwards than above: prefill chunks of 200 rows, which a GPU backend attends in
+    blocks of 64 (metal/sw_plan.h: 128 (row, query head) pairs a threadgroup, 2 query heads a
+    KV head), up to 520 keys, past the 512-key split; then a 16-node tree over them, whose
+    deepest node equals its chain's last row (`==`). Against the oracle with the tolerances
+    above: attention outputs stay convex combinations however many keys are summed (float32
+    sums of 520 terms err by < 520 u relative), and the GDN gates forget, so its error does not
+    grow with the prefill's length."""
+    dims, weights, cfg = checkpoint
+    ref = Oracle(cfg, weights)
+    with on(backend) as name:
+        ops_ = _core.BackendOps(dims, weights, "f32", name, max_context=1024)
+        prefill(ops_, ref, rng, (200, 200, 120))
+        parents = TREES["random1"]
+        att, gdn = tree_inputs(rng, cfg, len(parents))
+        a, g = ops_.forward(len(parents), {0: att}, {0: gdn}, parents)
+        wa, wg = ref.forward(att, gdn, parents)
+        assert_close(a[0], wa, ATT_TOL, "tree attention")
+        assert_close(g[0], wg, GDN_TOL, "tree GDN")
+        path = path_to(parents, len(parents) - 1)
+        ca, cg = ops_.forward(len(path), {0: tuple(x[path] for x in att)}, {0: tuple(x[path] for x in gdn)},
+                              np.arange(len(path)) - 1)
+        assert (ca[0] == a[0][path]).all() and (cg[0] == g[0][path]).all(), "tree != chain"
 
 
 def test_forward_refuses_bad_input(checkpoint, backend):

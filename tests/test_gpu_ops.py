@@ -9,8 +9,6 @@ error bound where it sums. Row-count independence is asserted with `==`: a row r
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 
@@ -285,55 +283,3 @@ def test_logsumexp_rows(dev, rng, cols):
     one = np.zeros(1, np.float32)
     gu.run(dev, "logsumexp_rows", [x[-1:].copy(), one, gu.pack(1, cols, 0, 0.0)], 1, 256, [4 * 256])
     assert one[0] == out[-1]
-
-
-# ---------------------------------------------------------------- mutations
-
-# Each mutant edits one kernel source; the named oracle case must then fail (wrong numbers or
-# an emulator error), which shows these cases can fail and the emulator sees the defect.
-BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-MUTANTS = {
-    # out aliasing x: without the barrier a simdgroup writes what another has yet to sum
-    "rms_norm-barrier": ("rows.metal", lambda t: gu.replace_nth_in_code(t, "threadgroup_barrier(mem_flags::mem_device);", 0),
-                         lambda d, rng: test_rms_norm(d, rng, 300)),
-    "logsumexp-barrier": ("rows.metal", lambda t: gu.replace_nth_in_code(t, BARRIER, 4),
-                          lambda d, rng: test_logsumexp_rows(d, rng, 300)),
-    "q4-simd_shuffle": ("q8_matmul.metal", lambda t: gu.replace_nth_in_code(t, "simd_shuffle(", 0, "("),
-                        lambda d, rng: test_int8_matmul_is_the_cpus(d, rng, "q4", 5)),
-    "gdn_gates-plain-log": ("elementwise.metal", lambda t: t.replace("log1p_of(exp(a))", "log(1.0f + exp(a))"),
-                            lambda d, rng: test_gdn_gates(d, rng)),
-    "top_k-ties-upper": ("rows.metal", lambda t: t.replace("(v == bv && i < bi)", "(v == bv && i > bi)"),
-                         lambda d, rng: test_top_k_rows(d, rng, 300, 3)),
-}
-
-
-@pytest.fixture(scope="module")
-def mutant_devices(tmp_path_factory):
-    if not gu.compiler_available():
-        pytest.skip(f"no {gu.CXX}: mutants are built with it")
-    dirs = {name: tmp_path_factory.mktemp(name) for name in MUTANTS}  # not thread-safe: first
-
-    def make(name):
-        src, edit, _ = MUTANTS[name]
-        text = (gu.METAL / src).read_text()
-        (dirs[name] / src).write_text(edit(text))
-        assert (dirs[name] / src).read_text() != text, name
-        return name, gu.EmulatedDevice(dirs[name])
-
-    with ThreadPoolExecutor(2) as ex:  # two compilers at a time, as test_gpu_kernels' mutants
-        return dict(ex.map(make, MUTANTS))
-
-
-def test_unmutated_ctypes_device_passes():
-    """The mutants' harness itself (launch_device.cpp on the unedited sources) passes the cases."""
-    if not gu.compiler_available():
-        pytest.skip(f"no {gu.CXX}")
-    d = gu.EmulatedDevice()
-    for _, _, case in MUTANTS.values():
-        case(d, np.random.default_rng(1234))
-
-
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_mutant_is_caught(mutant_devices, name):
-    with pytest.raises((AssertionError, gu.EmuError)):
-        MUTANTS[name][2](mutant_devices[name], np.random.default_rng(1234))

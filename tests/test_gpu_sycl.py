@@ -1,31 +1,28 @@
 """The SYCL device layer (emu/sycl_device.cpp over sycl/sycl_ops.hpp): the sycl/*.hpp kernels
 behind the Metal kernel names, argument order and launch shape. What is SYCL-specific is here;
-the op oracles (tests/test_gpu_ops.py) and the four families' bitwise checks
-(tests/test_gpu_device.py) already run on "sycl-emulated" through _core.gpu_devices().
+the op oracles (tests/test_gpu_ops.py, tests/test_gpu_state.py, tests/test_backend_ops.py)
+already run on "sycl-emulated" through _core.gpu_devices() and _core.available_backends().
 
 - the registry is the Metal kernels', with their buffer and threadgroup-memory counts;
 - every kernel gives the same bits on both emulated devices (the ports keep Metal's
   arithmetic and reduction trees; any difference is a drifted port);
 - the canonical sub-group sum is the documented xor butterfly (sycl/README.md), bit for bit;
 - whole models through GpuBackend give metal-emulated's logits bitwise;
-- a Metal launch the SYCL twin cannot translate is refused with the grid it needed;
-- mutants of the SYCL sources (a barrier, a shuffle, a sub-group sum, a lane leaving early)
-  make the oracle cases fail, so the emulator sees SYCL-side defects too.
+- a Metal launch the SYCL twin cannot translate is refused with the grid it needed.
+Mutants of the SYCL sources are in tests/test_gpu_mutants.py.
 """
 from __future__ import annotations
-
-import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 import gpu_util as gu
 import sapwood
-import test_gpu_ops as op_cases  # the oracle cases, reused by the mutants (not collected here)
 from sapwood import _core
 from sapwood.reference import quant
 from test_gpu_device import source_signatures
+from test_gpu_state import SMALL, gdn_case, paged_history, tree_attention, tree_inputs
+from util import TREES
 
 SYCL, METAL = "sycl-emulated", "metal-emulated"
 
@@ -47,8 +44,8 @@ def f32(rng, *shape, scale=1.0):
 
 
 def cases(rng):
-    """{kernel: (args, groups, threads, threadgroup_bytes)} for every kernel the four families'
-    tests do not already compare bitwise (tests/test_gpu_device.py)."""
+    """{kernel: (args, groups, threads, threadgroup_bytes)} for every kernel but the sequence
+    state's (compared below) and those whose bits are the reference's on every device."""
     vocab, hidden, n = 40, 200, 5
     tokens = np.array([3, 0, 39, 3, 40], np.int32)  # the last is outside the table
     w = f32(rng, vocab, hidden)
@@ -99,12 +96,15 @@ def cases(rng):
     return c
 
 
-ALREADY_COMPARED = {"kv_quantize", "tree_attn_partial", "tree_attn_merge", "gdn_conv", "gdn_recur", "gdn_commit",
-                    "gdn_window", "q8_quantize_rows", "q8_matmul"}
+# bitwise the numpy reference's on every device (test_gpu_state.py, test_gpu_ops.py), so each other's
+REFERENCE_BITS = {"kv_quantize", "q8_quantize_rows", "q8_matmul"}
+# compared by test_sequence_state_same_bits_as_metal
+SEQUENCE_STATE = {"tree_attn_partial", "tree_attn_merge", "gdn_conv", "gdn_recur", "gdn_commit", "gdn_window"}
 
 
 def test_the_cases_cover_every_kernel():
-    assert set(cases(np.random.default_rng(0))) | ALREADY_COMPARED == set(_core.gpu_emulated_kernels(SYCL))
+    covered = set(cases(np.random.default_rng(0))) | REFERENCE_BITS | SEQUENCE_STATE
+    assert covered == set(_core.gpu_emulated_kernels(SYCL))
 
 
 @pytest.mark.parametrize("kernel", sorted(cases(np.random.default_rng(0))))
@@ -120,6 +120,17 @@ def test_same_bits_as_the_metal_kernel(kernel):
     assert outs[METAL] == outs[SYCL]
     before = [a.tobytes() for a in args if isinstance(a, np.ndarray)]
     assert outs[SYCL] != before, f"{kernel}: the case writes nothing, so it compares nothing"
+
+
+def test_sequence_state_same_bits_as_metal():
+    """Tree attention over pages and the tree, and two rounds of GDN (a replayed commit, a
+    selected one) bound as test_gpu_state.py binds them: every output byte-identical."""
+    kv = paged_history(SMALL, 100, 5)
+    q, k, v = tree_inputs(SMALL, 9, 5)
+    metal, sycl = (tree_attention(dev, q, kv, k, v, TREES["random3"]) for dev in (METAL, SYCL))
+    assert metal.tobytes() == sycl.tobytes()
+    metal, sycl = (gdn_case(dev) for dev in (METAL, SYCL))
+    assert [a.tobytes() for a in metal] == [a.tobytes() for a in sycl]
 
 
 def butterfly(v):
@@ -201,55 +212,3 @@ def test_binding_errors_are_the_metal_devices():
             gu.run(dev, "q8_quantize_rows", args, 2, 48, [32])
         with pytest.raises(RuntimeError, match=r"q8_quantize_rows: buffer\(3\): a constant block of 12 bytes"):
             gu.run(dev, "q8_quantize_rows", args[:3] + [gu.pack(2, 64, 64)], 2, 256, [32])
-
-
-# ---------------------------------------------------------------- mutants of the SYCL sources
-
-MUTANTS = {
-    # out aliasing x: without the barrier a sub-group writes what another has yet to read
-    "rms_norm-barrier": ("rows.hpp", lambda t: gu.replace_nth_in_code(t, "barrier(it);", 0),
-                         lambda d, rng: op_cases.test_rms_norm(d, rng, 300)),
-    "q4-sg_shuffle": ("q8_matmul.hpp", lambda t: gu.replace_nth_in_code(t, "sg_shuffle(it, v, (lane + 2) % kSimd)", 0, "v"),
-                      lambda d, rng: op_cases.test_int8_matmul_is_the_cpus(d, rng, "q4", 5)),
-    "matmul-sg_sum": ("matmul.hpp", lambda t: t.replace("sg_sum(it, acc[r])", "acc[r]"),
-                      lambda d, rng: op_cases.test_float_matmul(d, rng, "f32", 5)),
-    "top_k-lane-return": ("rows.hpp", lambda t: t.replace("  if (K <= 0) return;", "  if (K <= 0 || tid == 40) return;"),
-                          lambda d, rng: op_cases.test_top_k_rows(d, rng, 300, 3)),
-}
-
-
-@pytest.fixture(scope="module")
-def mutant_devices(tmp_path_factory):
-    """Every mutant's device, built two compilers at a time. Each gets all of sycl/ (quoted
-    includes search the including file's directory first, so an edited header must sit beside
-    the ones that include it)."""
-    if not gu.compiler_available():
-        pytest.skip(f"no {gu.CXX}: mutants are built with it")
-    dirs = {name: tmp_path_factory.mktemp(name) for name in MUTANTS}
-    for name, (src, edit, _) in MUTANTS.items():
-        for p in gu.SYCL.glob("*.hpp"):
-            shutil.copy(p, dirs[name] / p.name)
-        text = (gu.SYCL / src).read_text()
-        (dirs[name] / src).write_text(edit(text))
-        assert (dirs[name] / src).read_text() != text, name
-    with ThreadPoolExecutor(2) as ex:
-        built = list(ex.map(lambda n: gu.EmulatedDevice(dirs[n], api="sycl"), MUTANTS))
-    return dict(zip(MUTANTS, built))
-
-
-def test_unmutated_sycl_harness_passes():
-    """The mutants' harness on the unedited sources passes every case (so a failure below is the
-    mutation's)."""
-    if not gu.compiler_available():
-        pytest.skip(f"no {gu.CXX}")
-    d = gu.EmulatedDevice(api="sycl")
-    for _, _, case in MUTANTS.values():
-        case(d, np.random.default_rng(1234))
-
-
-@pytest.mark.parametrize("name", list(MUTANTS))
-def test_sycl_mutant_is_caught(mutant_devices, name):
-    with pytest.raises((AssertionError, gu.EmuError)) as e:
-        MUTANTS[name][2](mutant_devices[name], np.random.default_rng(1234))
-    if "return" in name:  # a lane gone before a collective: the emulator's diagnosis, not a wrong number
-        assert "partial simdgroup collective" in str(e.value) and "lane 8 returned" in str(e.value)

@@ -1,19 +1,32 @@
-// The emulated Metal device (metal_device.cpp), or with -DSW_SYCL_EMU the emulated SYCL device
-// (sycl_device.cpp), as a ctypes entry, for the mutation tests of tests/test_gpu_ops.py and
-// tests/test_gpu_sycl.py: tests/gpu_util.py builds it like the per-family launchers, with an
-// edited kernel source found first, and drives it through the same calls as _core.gpu_run.
-// Buffers are the caller's host arrays themselves (the emulated device computes in host memory).
-#include <string>
+// A mutant of an emulated device, for tests/test_gpu_mutants.py: the emulated Metal device
+// (metal_device.cpp), or with -DSW_SYCL_EMU the emulated SYCL device (sycl_device.cpp), built
+// by tests/mutant_device.py around an edited kernel source and loaded with ctypes. _core's own
+// devices are built once from the unedited sources, so a kernel with a barrier or a reduction
+// deleted can only run through a second build like this one; its one entry dispatches as
+// _core.gpu_run does (same registry, same binding, same checks). Buffers are the caller's host
+// arrays themselves (the emulated device computes in host memory).
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
 #include <vector>
 
-#include "api.hpp"
 #include "emu_device.hpp"
 
+#define SW_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+char g_error[1024];
+}
+
+// The message of the last failed sw_device_run.
+SW_API const char* sw_last_error() { return g_error; }
+
 // args: nargs pointers with their sizes; is_block[i] marks a constant block (bytes) rather than
-// a buffer. groups[3], threads, ntg threadgroup sizes.
+// a buffer. groups[3], threads, ntg threadgroup sizes. Returns 0, or -1 with sw_last_error().
 SW_API int sw_device_run(const char* kernel, int nargs, void* const* ptrs, const size_t* sizes, const int* is_block,
                          const uint32_t* groups, int threads, int ntg, const size_t* tg_bytes) {
-  return swemu::guard([&] {
+  try {
 #if defined(SW_SYCL_EMU)
     static std::unique_ptr<sapwood::gpu::Device> dev = sapwood::gpu::make_emulated_sycl_device();
 #else
@@ -32,7 +45,11 @@ SW_API int sw_device_run(const char* kernel, int nargs, void* const* ptrs, const
     l.threadgroup_bytes.assign(tg_bytes, tg_bytes + ntg);
     dev->dispatch(dev->pipeline(kernel), args, l);
     dev->wait();
-  });
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(g_error, sizeof g_error, "%s", e.what());
+    return -1;
+  }
 }
 
 #if defined(SW_SYCL_EMU)
