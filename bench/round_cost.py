@@ -3,7 +3,8 @@
 Two measures, side by side in one run (issue 53):
 - plain decoding, greedy against sampled (temperature 0.8, top_p 0.95): decode ms per token,
   alternated repetitions, medians and ranges, and their ratio;
-- a sampled tree run (verify="tree", width 16, the checkpoint's MTP head, else prompt lookup):
+- a sampled tree run (verify="tree", width 16, the checkpoint's MTP head, else prompt lookup,
+  or --drafter):
   engine calls per round and the share of the decode time spent outside them.
 
     python bench/round_cost.py /tmp/qwen35-0.8b --tokens 48 --reps 3 --out results.json
@@ -54,11 +55,12 @@ def plain_ms(model, prompt, tokens, reps):
     return out
 
 
-def tree_run(model, prompt, tokens, width):
-    drafter = model.resolve_drafter("mtp" if model.mtp is not None else "lookup")
+def tree_run(model, prompt, tokens, width, drafter=None):
+    drafter = model.resolve_drafter(drafter or ("mtp" if model.mtp is not None else "lookup"))
     log = []
     if hasattr(drafter, "head"):
         drafter.head = Counted(drafter.head, log)
+    if hasattr(drafter, "engine"):
         drafter.engine = Counted(drafter.engine, log)
     cfg = DecodeConfig(max_tokens=tokens, params=SamplingParams(**SAMPLED), verify="tree",
                        width=width)
@@ -86,13 +88,16 @@ def main():
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--drafter", default=None, help="default: the MTP head, else lookup")
     ap.add_argument("--out")
     a = ap.parse_args()
     model = sapwood.load(a.checkpoint, weights=a.weights, threads=a.threads)
     model.generation_config["eos_token_id"] = []  # random weights would stop anywhere
-    prompt = [int(t) for t in np.random.default_rng(0).integers(1000, 20000, 32)]
+    v = model.config.vocab_size
+    prompt = [int(t) for t in np.random.default_rng(0).integers(min(1000, v // 20),
+                                                                min(20000, v // 2), 32)]
     plain = plain_ms(model, prompt, a.tokens, a.reps)
-    tree = tree_run(model, prompt, a.tokens, a.width)
+    tree = tree_run(model, prompt, a.tokens, a.width, a.drafter)
     res = {"checkpoint": os.path.basename(a.checkpoint.rstrip("/")), "weights": a.weights,
            "threads": a.threads, "vocab": model.config.vocab_size, "cpu": platform.processor(),
            "load_avg": os.getloadavg(), "plain_ms_per_token": plain,

@@ -240,13 +240,14 @@ void bind_engine(py::module_& m) {
            "> 0); committed state unchanged, except `prefix` (at most max_draft_prefix context "
            "tokens), committed first in the chain's first forward.")
       .def("draft_candidates", [](Engine& e, int root, int rows, int k, double temperature,
-                                  uint64_t seed, py::handle prefix) {
+                                  uint64_t seed, py::handle prefix, py::handle keep) {
              const std::vector<int> pre = as_ints(prefix, "prefix");
+             const std::vector<int> kept = as_ints(keep, "keep");
              std::vector<int> ids;
              std::vector<double> logp;
              {
                py::gil_scoped_release release;
-               e.draft_candidates(root, rows, k, temperature, seed, &ids, &logp, pre);
+               e.draft_candidates(root, rows, k, temperature, seed, &ids, &logp, pre, kept);
              }
              const py::ssize_t kk = py::ssize_t(ids.size() / size_t(rows));
              py::array_t<int64_t> ids_a({py::ssize_t(rows), kk});
@@ -256,10 +257,11 @@ void bind_engine(py::module_& m) {
              return py::make_tuple(ids_a, logp_a);
            },
            py::arg("root"), py::arg("rows"), py::arg("k"), py::arg("temperature") = 0.0,
-           py::arg("seed") = 0, py::arg("prefix") = py::tuple(),
+           py::arg("seed") = 0, py::arg("prefix") = py::tuple(), py::arg("keep") = py::tuple(),
            "(ids [rows, k], log-probabilities [rows, k]) of the draft chain: per row the chain's "
            "pick first, then the other most likely ids; committed state unchanged but for "
-           "`prefix` (as draft_chain).")
+           "`prefix` (as draft_chain) or `keep` (the target's tokens since the last chain: "
+           "keep_draft(keep), the rest committed first).")
       .def_property_readonly("max_draft_prefix", &Engine::max_draft_prefix)
       .def("keep_draft", [](Engine& e, const std::vector<int>& tokens) {
              py::gil_scoped_release release;

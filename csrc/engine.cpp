@@ -425,13 +425,23 @@ void Engine::begin_change() {
 
 void Engine::draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
                               std::vector<int>* ids, std::vector<double>* logp,
-                              const std::vector<int>& prefix) {
+                              const std::vector<int>& prefix, const std::vector<int>& keep) {
   Use use(*this);
   SW_CHECK(k >= 1, "draft_candidates: k must be >= 1, got ", k);
+  SW_CHECK(keep.empty() || prefix.empty(), "draft_candidates: keep and prefix are exclusive");
   const int V = dims_.vocab;
   k = std::min(k, V);
+  std::vector<int> pre = prefix;
+  if (!keep.empty()) {  // keep_draft(keep), then what the last chain did not cover
+    const int m = keep_draft(keep);
+    pre.assign(keep.begin() + m, keep.end());
+    if (int(pre.size()) > max_draft_prefix()) {
+      prefill(pre, false);
+      pre.clear();
+    }
+  }
   std::vector<int> chain;  // draft_chain checks root and rows
-  const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, prefix);
+  const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, pre);
   rank_draft_rows(z.data(), rows, V, k, chain, ids, logp);
 }
 

@@ -96,9 +96,12 @@ class Engine {
   // draft_chain ranked for a drafter: per row the chain's pick, then the k-1 other most likely
   // ids (ties: lower id), with their log-probabilities under the row's softmax. ids and logp
   // are [rows][k].
+  // `keep` (exclusive with prefix): the target's committed tokens since the last chain,
+  // taken first as keep_draft(keep) would, the rest prefilled or taken in as a prefix: a
+  // drafter's advance and its next draft in one call.
   void draft_candidates(int root, int rows, int k, double temperature, uint64_t seed,
                         std::vector<int>* ids, std::vector<double>* logp,
-                        const std::vector<int>& prefix = {});
+                        const std::vector<int>& prefix = {}, const std::vector<int>& keep = {});
   void reset();
   // The target's final hidden states (after model.norm, [n][H]) of committed positions, for
   // a drafter that reads them (the MTP head): while keep_hidden is on, prefill and commit keep

@@ -165,6 +165,7 @@ class ModelDrafter(_Exclusive):
         self.vocab_size = model.config.vocab_size
         self._synced = 0  # how many context tokens the draft has been given
         self._pending: list[int] = []  # given but not yet committed to the draft engine
+        self._keep: list[int] = []  # committed by the target since the last chain (advance)
         self.temperature, self.seed = 0.0, 0
         # generate(cache_prompt=True): the context's first prompt_cache_len tokens are the
         # request's prompt, which the draft model takes in through its own prompt cache
@@ -178,7 +179,7 @@ class ModelDrafter(_Exclusive):
         snapshot.position tokens of the context to come (a served chat's earlier turn): the
         next sync prefills only what follows them, and counts them as restored."""
         self.engine.restore(snapshot)
-        self._synced, self._pending = snapshot.position, []
+        self._synced, self._pending, self._keep = snapshot.position, [], []
         self._resumed = snapshot.position
 
     @_exclusive
@@ -189,7 +190,7 @@ class ModelDrafter(_Exclusive):
     @_exclusive
     def reset(self) -> None:
         self.engine.reset()
-        self._synced, self._pending, self._resumed = 0, [], 0
+        self._synced, self._pending, self._keep, self._resumed = 0, [], [], 0
 
     @_exclusive
     def sync(self, context: Sequence[int]) -> int:
@@ -198,6 +199,8 @@ class ModelDrafter(_Exclusive):
         if self._synced > len(context):
             self.reset()
         todo = list(context[self._synced:])
+        if todo:
+            self._take_kept()
         restored, n = self._resumed, self.prompt_cache_len
         self._resumed = 0
         if self._synced == 0 and not self._pending and 0 < n <= len(todo):
@@ -214,32 +217,42 @@ class ModelDrafter(_Exclusive):
 
     @_exclusive
     def advance(self, committed) -> None:
+        # The rows of the last draft chain that the target committed are already computed:
+        # the next draft_candidates takes them (keep=) before its chain, what the chain did not
+        # cover (after a fully kept chain, its last pick) going in with the chain's first
+        # forward, so an advance costs no call of its own.
         committed = [int(t) for t in committed]
-        if committed:
-            # the rows of the last draft chain that the target committed are already computed
-            # (with tokens pending no chain ran since the last advance: nothing is kept)
-            kept = self.engine.keep_draft(committed)
-            rest, self._pending = self._pending + committed[kept:], []
-            # what the chain did not cover (after a fully kept chain, its last pick) goes in
-            # with the next chain's first forward: a prefill of its own costs a round more
-            # than what it adds to that forward
-            if len(rest) <= self.engine.max_draft_prefix:
-                self._pending = rest
-            else:
-                self.engine.prefill(rest)
-            self._synced += len(committed)
+        self._keep += committed
+        self._synced += len(committed)
+
+    def _take_kept(self) -> None:
+        """Something other than a chain comes next: take the kept rows now (keep_draft), the
+        rest as pending tokens for the next chain's first forward, or prefilled."""
+        if not self._keep:
+            return
+        kept = self.engine.keep_draft(self._keep)
+        rest, self._keep, self._pending = self._pending + self._keep[kept:], [], []
+        if len(rest) <= self.engine.max_draft_prefix:
+            self._pending = rest
+        else:
+            self.engine.prefill(rest)
 
     @_exclusive
     def draft(self, context, root, rows) -> Lattice:
         self.sync(context)
-        rows = min(rows, self.engine.max_context - self.engine.position - len(self._pending) - 1)
+        if self._keep and self._pending:  # one of the two goes with the chain
+            self._take_kept()
+        ahead = len(self._pending) + len(self._keep)
+        rows = min(rows, self.engine.max_context - self.engine.position - ahead - 1)
         if rows <= 0:
+            self._take_kept()
             if self._pending:
                 self.engine.prefill(self._pending)
                 self._pending = []
             return Lattice()
+        keep, self._keep = self._keep, []
         ids, logp = self.engine.draft_candidates(int(root), rows, self.top_k, self.temperature,
-                                                 self.seed, self._pending)
+                                                 self.seed, self._pending, keep)
         self._pending = []
         return Lattice(tokens=ids, logprobs=logp)
 
