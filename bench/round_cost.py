@@ -34,7 +34,7 @@ class Counted:
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
-        if not callable(attr):
+        if not callable(attr) or name.startswith("_"):  # pybind11's conduit: not a call
             return attr
 
         def call(*a, **k):

@@ -82,6 +82,33 @@ void bind_mtp(py::module_& m) {
            "rows: (ids [rows, k], log-probabilities [rows, k][, logits [rows, V]]), per row "
            "the chain's pick first (argmax, or the keyed sample of the token at key_position "
            "+ row), then the other most likely ids. The drafted rows are rolled back.")
+      .def("draft_target", [](MtpHead& h, Engine& target, py::handle tail, int tail_start,
+                              int root, int rows, int k, double temperature,
+                              uint64_t seed) -> py::object {
+             const std::vector<int> t = as_ints(tail, "tail");
+             std::vector<int> ids;
+             std::vector<double> logp;
+             int need = -1;
+             bool drafted;
+             {
+               py::gil_scoped_release release;
+               drafted = h.draft_target(target, t, tail_start, root, rows, k, temperature, seed,
+                                        &ids, &logp, &need);
+             }
+             if (!drafted) return need >= 0 ? py::object(py::int_(need)) : py::object(py::none());
+             const py::ssize_t kk = std::min(k, h.vocab_size()), r = py::ssize_t(ids.size()) / kk;
+             py::array_t<int64_t> ids_a({r, kk});
+             py::array_t<double> logp_a({r, kk});
+             std::copy(ids.begin(), ids.end(), ids_a.mutable_data());
+             std::copy(logp.begin(), logp.end(), logp_a.mutable_data());
+             return py::make_tuple(ids_a, logp_a);
+           },
+           py::arg("target"), py::arg("tail"), py::arg("tail_start"), py::arg("root"),
+           py::arg("rows"), py::arg("k"), py::arg("temperature") = 0.0, py::arg("seed") = 0,
+           "A drafter's round in one call (the target engine's hidden rows taken here): "
+           "(ids [rows, k], log-probabilities) as draft(); None when there is nothing to draft "
+           "from; an int when `tail` (the target's context from tail_start) starts too late: "
+           "call again with the context from that position.")
       .def("reset", &MtpHead::reset)
       .def_property_readonly("position", &MtpHead::position)
       .def_property_readonly("max_context", &MtpHead::max_context)

@@ -145,4 +145,37 @@ void MtpHead::draft(const std::vector<float>& hidden, const std::vector<int>& to
   if (logits) logits->swap(z);
 }
 
+bool MtpHead::draft_target(Engine& target, const std::vector<int>& tail, int tail_start,
+                           int root, int rows, int k, double temperature, uint64_t seed,
+                           std::vector<int>* ids, std::vector<double>* logp, int* need) {
+  Exclusive::Use use(exclusive_, kBusy);
+  *need = -1;
+  const size_t H = size_t(dims_.hidden);
+  std::vector<float> fresh;
+  const int start = target.take_hidden(&fresh);
+  if (start == from_ + int(pending_.size() / H)) {
+    pending_.insert(pending_.end(), fresh.begin(), fresh.end());
+  } else {  // a gap, or the target was reset: start over at the rows there are
+    be_->reset();
+    from_ = start;
+    pending_.swap(fresh);
+  }
+  const int n = int(pending_.size() / H), Q = target.position();
+  rows = std::min(rows, max_context_ - be_->length() - n + 1);
+  if (n == 0 || from_ + n != Q || rows <= 0) return false;  // nothing to read (keep_hidden off)
+  if (from_ + 1 < tail_start) {
+    *need = from_ + 1;
+    return false;
+  }
+  SW_CHECK(tail_start + int(tail.size()) == Q, "MTP draft: the tail from ", tail_start, " has ",
+           tail.size(), " tokens, the target holds ", Q);
+  // row j (target position from_ + j) reads the token after it: the context's, then the root
+  std::vector<int> tokens(tail.begin() + (from_ + 1 - tail_start), tail.end());
+  tokens.push_back(root);
+  draft(pending_, tokens, rows, k, temperature, seed, uint64_t(Q) + 1, ids, logp);
+  from_ = Q;
+  pending_.clear();
+  return true;
+}
+
 }  // namespace sapwood

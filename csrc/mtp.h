@@ -52,6 +52,16 @@ class MtpHead {
              double temperature, uint64_t seed, uint64_t key_position, std::vector<int>* ids,
              std::vector<double>* logp, std::vector<float>* logits = nullptr);
 
+  // A drafter's round in one call: take the target's hidden rows kept since the last take
+  // (Engine::take_hidden), join them to the rows not yet committed here (after a gap, start
+  // over at the first row there is), then draft() with the token after each row: `tail` holds
+  // the target's context from position tail_start to its end. Returns false, drafting
+  // nothing, when there is no row to draft from, or, with *need set, when the tail starts
+  // after the first token needed (call again with the context from *need).
+  bool draft_target(Engine& target, const std::vector<int>& tail, int tail_start, int root,
+                    int rows, int k, double temperature, uint64_t seed, std::vector<int>* ids,
+                    std::vector<double>* logp, int* need);
+
   int position() const {
     Exclusive::Use use(exclusive_, kBusy);
     return be_->length();
@@ -62,6 +72,8 @@ class MtpHead {
   void reset() {
     Exclusive::Use use(exclusive_, kBusy);
     be_->reset();
+    from_ = 0;
+    pending_.clear();
   }
   size_t weight_bytes() const;
 
@@ -85,6 +97,8 @@ class MtpHead {
   int max_context_, threads_;
   Forward fwd_;
   std::unique_ptr<Backend> be_;
+  int from_ = 0;                // draft_target: the target position of pending_'s first row
+  std::vector<float> pending_;  // the target's hidden rows not yet committed here [n][H]
 };
 
 }  // namespace sapwood

@@ -326,6 +326,6 @@ def test_mtp_drafter_refuses_a_second_thread(mtp_model):
     d = MtpDrafter(mtp_model)
     mtp_model.engine.reset()
     mtp_model.engine.prefill(PROMPT)
-    d.head = Gate(d.head, "draft")
+    d.head = Gate(d.head, "draft_target")
     second_call_while_first_runs(d, lambda: d.draft(PROMPT, 9, 3),
                                  lambda: d.draft(PROMPT, 9, 3))

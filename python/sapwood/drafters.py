@@ -289,9 +289,8 @@ class MtpDrafter(_Exclusive):
 
     @_exclusive
     def reset(self) -> None:
-        self.head.reset()
-        self._from = 0  # the target position of the head's next row
-        self._rows = np.zeros((0, self.hidden_size), np.float32)  # target rows from _from on
+        self.head.reset()  # and the rows it holds for the next draft
+        self._next = 0  # where the next draft's context tail starts (the last draft's end)
 
     @_exclusive
     def advance(self, committed) -> None:
@@ -299,21 +298,19 @@ class MtpDrafter(_Exclusive):
 
     @_exclusive
     def draft(self, context, root, rows) -> Lattice:
-        start, new = self.engine.take_hidden()
-        if start == self._from + len(self._rows):
-            self._rows = np.concatenate([self._rows, new]) if len(self._rows) else new
-        else:  # a gap, or the target was reset: start over at the rows there are
-            self.head.reset()
-            self._from, self._rows = start, new
-        n, Q = len(self._rows), self.engine.position
-        rows = min(rows, self.head.max_context - self.head.position - n + 1)
-        if n == 0 or self._from + n != Q or rows <= 0:
+        # One call: the head takes the target's new hidden rows itself (MtpHead.draft_target)
+        # and reads the tokens after them from the context's tail; after a gap (a snapshot
+        # restored, a reset) it asks for the context from further back.
+        start = self._next if self._next <= len(context) else 0
+        out = self.head.draft_target(self.engine, context[start:], start, int(root), rows,
+                                     self.top_k, self.temperature, self.seed)
+        if isinstance(out, int):
+            out = self.head.draft_target(self.engine, context[out:], out, int(root), rows,
+                                         self.top_k, self.temperature, self.seed)
+        self._next = len(context) + 1
+        if out is None:
             return Lattice()  # nothing to read (keep_hidden was turned off): no draft
-        # row j (target position _from + j) reads the token after it: the context's, the root's
-        tokens = list(context[self._from + 1:Q]) + [int(root)]
-        ids, logp = self.head.draft(self._rows, tokens, rows, self.top_k, self.temperature,
-                                    self.seed, Q + 1)
-        self._from, self._rows = Q, self._rows[:0]
+        ids, logp = out
         return Lattice(tokens=ids, logprobs=logp)
 
 
