@@ -12,7 +12,6 @@ Two measures, side by side in one run (issue 53):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -20,6 +19,7 @@ import time
 import numpy as np
 
 import sapwood
+from sapwood.benchmarks.common import dump_json
 from sapwood.generate import DecodeConfig, Decoder
 from sapwood.sampling import SamplingParams
 
@@ -109,8 +109,7 @@ def main():
     print(f"tree w{a.width} ({tree['drafter']}): {tree['engine_calls_per_round']:.2f} engine calls "
           f"a round {tree['calls']}, {100 * tree['outside_engine_share']:.1f}% of decode outside them")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        print(f"# {a.out} sha256 {dump_json(res, a.out)}")
 
 
 if __name__ == "__main__":

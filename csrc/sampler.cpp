@@ -345,13 +345,17 @@ void sample_counted(const T* x, int n, int V, const uint64_t* positions, const S
       if (x[i] != x[i]) throw InputError(cat("logits contain NaN (first at flat index ", i, ")"));
     throw InputError("logits contain +inf");
   }
-  for (int r = 0; r < n; ++r)
-    if (x[size_t(r) * V + first_max_of(x + size_t(r) * V, V)] == -T(INFINITY))
+  std::vector<int> first_max(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    first_max[size_t(r)] = first_max_of(x + size_t(r) * V, V);
+    if (x[size_t(r) * V + first_max[size_t(r)]] == -T(INFINITY))
       throw InputError("a logits row is all -inf: nothing can be sampled");
+  }
   for (int r = 0; r < n; ++r) {
     const T* row = x + size_t(r) * V;
-    if (counts) row = penalised(row, V, *counts, p);
-    out[r] = sample_one(row, V, first_max_of(row, V), positions[r], p, threads);
+    if (counts) row = penalised(row, V, *counts, p);  // penalties can move the maximum
+    out[r] = sample_one(row, V, counts ? first_max_of(row, V) : first_max[size_t(r)],
+                        positions[r], p, threads);
   }
 }
 

@@ -276,9 +276,10 @@ def test_engine_sampler_at_the_real_vocabulary(name):
     np.testing.assert_array_equal(got, want)
 
 
-def test_top_p_weights_are_integers_summed_exactly():
-    """Top-p's cut depends on the set of ranks before it, not on a summation order: a row and
-    its permutation keep the same ids (permuted)."""
+def test_top_p_kept_set_follows_the_ids_under_a_permutation():
+    """Top-p's cut depends on the ranks before it, not on where ids sit in the row: a row and
+    its permutation keep the same ids (permuted). (Exact sums at the cut:
+    test_top_p_cut_where_the_sum_reaches_p_exactly.)"""
     rng = np.random.default_rng(5)
     x = rng.normal(size=4000)
     perm = rng.permutation(4000)

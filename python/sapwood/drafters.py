@@ -277,7 +277,6 @@ class MtpDrafter(_Exclusive):
         self.head, self.engine, self.top_k = model.mtp, model.engine, int(top_k)
         self.policy_key = ("mtp", id(model))  # Model.speculation_policy: one state per head
         self.vocab_size = model.config.vocab_size
-        self.hidden_size = model.config.hidden_size
         self.temperature, self.seed = 0.0, 0
         self.engine.keep_hidden = True
         self.reset()

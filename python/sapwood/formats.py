@@ -122,8 +122,7 @@ class MlxAffine:
 
     @property
     def q4_affine(self) -> bool:
-        """Whether the engine runs it as stored (QMatrix's affine 4-bit groups of 64)."""
-        return self.bits == 4 and self.group % 64 == 0
+        return runs_as_stored(self.bits, self.group)
 
     def _groups(self, reader: TensorReader, r0: int, r1: int):
         """(q [n, cols] uint32, scales [n, cols / group], biases) as new arrays."""
@@ -184,6 +183,11 @@ class Relaid:
     def _flat(self) -> TensorInfo:
         return TensorInfo(self.info.path, self.info.dtype, self.shape, self.info.offset,
                           self.info.nbytes)
+
+
+def runs_as_stored(bits, group) -> bool:
+    """Whether the engine runs MLX groups as stored (QMatrix's affine 4-bit groups of 64)."""
+    return bits == 4 and isinstance(group, int) and group % 64 == 0
 
 
 def mlx_quantization(raw_config: dict) -> dict | None:
@@ -340,6 +344,6 @@ def stored_matrices(raw_config: dict) -> str | None:
     of 64 or 128; per-module settings other than those are rounded again: the memory estimate
     counts the global setting), else None."""
     q = raw_config.get("quantization")
-    if isinstance(q, dict) and q.get("bits") == 4 and q.get("group_size") in (64, 128):
+    if isinstance(q, dict) and runs_as_stored(q.get("bits"), q.get("group_size")):
         return "q4a"
     return None

@@ -131,9 +131,11 @@ class Decoder:
         self._drafts_on_own_thread = hasattr(drafter, "sync")
         # asked at every pick: the request's parameters do not change while it runs
         self._tree_eligible = cfg.params.tree_eligible
+        self._walk_kw: dict = {}  # run(): the engine's sampling arguments (_sampling)
 
     def _sampling(self) -> dict:
-        """The engine's sampling arguments for this request's next pick or walk."""
+        """The engine's sampling arguments for this request's picks and walks (made once per
+        request: self.context, which penalties count, grows in place)."""
         kw = self.cfg.params.engine_kwargs()
         if not self._tree_eligible:  # penalties count the context (a walk adds the path)
             kw["history"] = self.context
@@ -227,7 +229,8 @@ class Decoder:
             # was well above plain decoding's), and a request that never drafts never pays it.
             self._behind = len(self.context)
             self._prompt_pending = True  # the first catch-up is the draft's prefill
-        root = int(sample(logits, len(self.context), **self._sampling()))
+        self._walk_kw = self._sampling()
+        root = int(sample(logits, len(self.context), **self._walk_kw))
         st.prefill_s = self.clock() - t0
         t_start = self.clock()
         try:
@@ -360,7 +363,7 @@ class Decoder:
         """Verify the round's tree (unless `logits`, a calibration's, already scored it), walk
         it and commit the path: (path, picks), in one engine call (Engine.verify_walk: the
         picks made in the engine, no logits copied out). self.verify_s: the call's time."""
-        eng, kw = self.engine, self._sampling()
+        eng, kw = self.engine, self._walk_kw
         if logits is not None:
             return walk_and_commit(eng, logits, tree.tokens, tree.parents, fold_in_background,
                                    **kw)
