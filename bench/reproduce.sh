@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The commands behind bench/results/ (run from the repository root on a quiet machine; each
 # prints its table and the SHA-256 of the raw JSON it writes). LLAMA_CPP: a llama.cpp source
-# tree matching the installed llama-cpp-python (README, "llama.cpp as a peer"); without it the
+# tree matching the installed llama-cpp-python (docs/benchmarks.md, "llama.cpp as a peer"); without it the
 # peers report says llama.cpp was not run.
 set -euo pipefail
 R=bench/results
