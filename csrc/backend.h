@@ -89,6 +89,19 @@ class Backend {
   // y = x W^T for each (W, y) reading the same x of n rows (1..kMaxMatmuls matrices)
   virtual void matmul(Act x, int n, std::initializer_list<std::pair<const QMatrix*, Act>> outs) = 0;
 
+  // ---- drafting over rows of logits, in the backend's memory ----
+  // A greedy draft row's pick and candidates: only 2k + 1 values leave the device, not the
+  // vocabulary's logits (the host then does nothing of the vocabulary's size).
+  // The k (<= kMaxTopK) best ids of each row, best first, an equal value's lower id first, NaN
+  // never (-1 where fewer qualify), and their values: ids (int32 bits) and vals, [rows][k].
+  static constexpr int kMaxTopK = 16;
+  virtual void top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) = 0;
+  // out[r] = max + log(sum exp(x[r] - max))
+  virtual void logsumexp_rows(Act x, int rows, int cols, Act out) = 0;
+  // How often the host has waited for the device so far (a GPU's sync points; none on the
+  // CPU, whose ops are done when they return).
+  virtual int64_t syncs() const { return 0; }
+
   // ---- the sequence's state ----
   virtual int length() const = 0;
   virtual int capacity() const = 0;
