@@ -180,9 +180,14 @@ class Costs:
         return v + drafted + rest
 
     def beside_verify(self, band, kind: str, rows: int) -> tuple:
-        """(drafting `rows`, the rest of a round of `kind`): what every option of a round shares."""
-        return (rows * self.cost(band, "draft", 0, 0.0),
-                self.cost(band, "rest", kind, self.cost(band, "rest", "chain", 0.0)))
+        """(drafting `rows`, the rest of a round of `kind`): what every option of a round shares.
+        A kind not timed yet borrows the chain's rest, but for plain rounds: with the walk in
+        the engine their Python is next to none (~30 us against a chain round's ~0.5 ms,
+        bench/round_cost.py --kinds), and pricing them at a chain's would keep a policy that
+        has never run one from ever trying plain decoding where it wins."""
+        rest = self.cost(band, "rest", kind, 0.0 if kind == "plain" else
+                         self.cost(band, "rest", "chain", 0.0))
+        return rows * self.cost(band, "draft", 0, 0.0), rest
 
 
 class Acceptance:
