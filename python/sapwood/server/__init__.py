@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..chat_template import compile_chat_template, template_for
+
 _EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 
@@ -25,7 +27,7 @@ _require_extra()
 
 from .access import check_api_key, check_origins  # noqa: E402
 from .admit import DEFAULT_MAX_BODY_MB  # noqa: E402
-from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
+from .app import ServerState, create_app  # noqa: E402
 from .batching import VerifyBatcher  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
 from .text import token_bytes_table  # noqa: E402
@@ -46,7 +48,7 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
           backend: str = "cpu", threads=None, model_id: str | None = None,
           loader=None, batch_verify: bool = False,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, api_key: str | None = None,
-          cors_origins=()) -> ServerState:
+          cors_origins=(), chat_template: str | None = None) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -60,6 +62,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     api_key: requests must send `Authorization: Bearer KEY` (401 otherwise; /health stays open);
     None: the environment's SAPWOOD_API_KEY if set, else no key. cors_origins: origins whose
     browser pages may call the API ("*": any); empty: CORS off (server/access.py).
+    chat_template: Jinja source that replaces the checkpoint's template; None: the checkpoint's,
+    else ChatML with a warning (chat_template.template_for, the Python API's rule too).
     """
     import sapwood
 
@@ -76,7 +80,9 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
         api_key = os.environ.get("SAPWOOD_API_KEY") or None
     if api_key is not None:
         check_api_key(api_key)
-    cors_origins = check_origins(cors_origins)  # both before the slots load: fail fast
+    cors_origins = check_origins(cors_origins)  # all three before the slots load: fail fast
+    if chat_template is not None:
+        compile_chat_template(chat_template)  # a syntax error: ValueError naming its line
     n_threads = _slot_threads(threads, parallel)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
     base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
@@ -92,8 +98,10 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
                              max_context=max_context)
         if m.tokenizer is None:
             raise ValueError(f"{m.path}: no tokenizer.json; the server needs a tokenizer")
-        if not m.chat_template:
-            m.chat_template = FALLBACK_CHAT_TEMPLATE
+        if chat_template is not None:
+            m.chat_template = chat_template
+        # the API's rule (one warning at start, not one a request): the later slots copy it
+        m.chat_template = template_for(m.chat_template, m.path or model)
         draft = m.draft
         if drafter == "mtp":
             m.resolve_drafter("mtp")  # a checkpoint without a head fails here, at start
