@@ -297,6 +297,10 @@ def cmd_inspect(a) -> int:
 def cmd_serve(a) -> int:
     from . import server  # without the server extra: an ImportError saying how to install it
 
+    if a.parallel is None:
+        a.parallel, why = server.machine_parallel(a.model, weights=a.weights, kv=a.kv,
+                                                  max_context=a.max_context, threads=a.threads)
+        print(f"sapwood serve: {why}", file=sys.stderr, flush=True)
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
@@ -332,9 +336,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--parallel", type=int, default=1,
+    p.add_argument("--parallel", type=int, default=None,
                    help="slots: requests decoded at once (one copy of the weights, a sequence "
-                        "state per slot; see docs/server.md)")
+                        "state per slot; see docs/server.md) (default: the least of the cores "
+                        "// 2 (or --threads), the slots free memory holds, and 4; said at start)")
     p.add_argument("--batch-verify", action="store_true",
                    help="verify the decoding slots' trees in one forward (each weight read once "
                         "for all of them; outputs unchanged; not faster on the CPU hosts measured "

@@ -32,7 +32,48 @@ from .batching import VerifyBatcher  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
 from .text import token_bytes_table  # noqa: E402
 
-__all__ = ["build", "create_app", "run", "start", "ServerState"]
+__all__ = ["build", "create_app", "default_parallel", "run", "start", "ServerState"]
+
+
+SLOT_THREADS = 2  # cores a slot is counted as needing when --threads is not given
+MAX_DEFAULT_PARALLEL = 4
+
+
+def default_parallel(cores: int, free_bytes: int, shared_bytes: int, per_slot_bytes: int,
+                     threads=None) -> tuple[int, str]:
+    """The slot count `sapwood serve` takes without --parallel, and why, in one line:
+    min(cores // threads a slot, the slots the free memory holds beside the shared weights,
+    4). A slot is a sequence of its own (KV, GDN state, round buffers: per_slot_bytes,
+    MemoryEstimate.per_sequence) over the one copy of the weights (shared_bytes). Two cores
+    a slot unless --threads says otherwise: a slot's verify rounds are matrix products that
+    keep two cores busy, and one core a slot would slow every request to give more of them
+    room. At most 4: past that each slot's decode shares the memory bandwidth it is bound by,
+    and the snapshot cache and queue serve bursts better than idle slots (docs/server.md)."""
+    for name, v in (("cores", cores), ("per_slot_bytes", per_slot_bytes)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an int >= 1")
+    per = SLOT_THREADS if threads is None else threads
+    by_cores = max(1, cores // per)
+    by_memory = max(1, (free_bytes - shared_bytes) // per_slot_bytes)
+    n = min(by_cores, by_memory, MAX_DEFAULT_PARALLEL)
+    gb = 1e9
+    return n, (f"--parallel {n} (the default: the least of {cores} cores // {per} threads a "
+               f"slot = {by_cores}; {free_bytes / gb:.1f} GB free holds {by_memory} slots of "
+               f"{per_slot_bytes / gb:.2f} GB beside {shared_bytes / gb:.2f} GB shared "
+               f"(weights, runtime); {MAX_DEFAULT_PARALLEL}, the most by default)")
+
+
+def machine_parallel(model, *, weights: str, kv: str, max_context: int, threads=None):
+    """default_parallel for this machine and `model` (a checkpoint directory or "default"),
+    from its config.json alone: nothing is loaded."""
+    from ..loading import default_target_path, read_config
+    from ..memory import available_bytes, estimate_config
+
+    d = default_target_path() if model == "default" else model
+    est = estimate_config(read_config(d), weights=weights, kv=kv, max_context=max_context)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return default_parallel(cores or 1, available_bytes(), est.total - est.per_sequence,
+                            est.per_sequence, threads)
 
 
 def _slot_threads(threads, parallel: int):
