@@ -1,4 +1,4 @@
-"""The A/B protocol of DESIGN.md: two arms in one process on one engine, ABBA/BAAB blocks after
+"""The A/B protocol of docs/design.md: two arms in one process on one engine, ABBA/BAAB blocks after
 excluded warm-up samples, identical output tokens checked on every sample, per-block verdicts.
 Each arm keeps its own speculation policy state (run_ab).
 
