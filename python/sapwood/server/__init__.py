@@ -20,7 +20,8 @@ def _require_extra() -> None:
     gone = missing_extra()
     if gone:
         raise ImportError(f"sapwood serve needs the server extra, missing here: {', '.join(gone)}."
-                          ' Install it with: pip install "sapwood[server]"')
+                          ' Install it with: pip install "sapwood[server]" (from a checkout:'
+                          ' pip install ".[server]")')
 
 
 _require_extra()
@@ -45,10 +46,10 @@ def default_parallel(cores: int, free_bytes: int, shared_bytes: int, per_slot_by
     min(cores // threads a slot, the slots the free memory holds beside the shared weights,
     4). A slot is a sequence of its own (KV, GDN state, round buffers: per_slot_bytes,
     MemoryEstimate.per_sequence) over the one copy of the weights (shared_bytes). Two cores
-    a slot unless --threads says otherwise: a slot's verify rounds are matrix products that
-    keep two cores busy, and one core a slot would slow every request to give more of them
-    room. At most 4: past that each slot's decode shares the memory bandwidth it is bound by,
-    and the snapshot cache and queue serve bursts better than idle slots (docs/server.md)."""
+    a slot unless --threads says otherwise, a starting point rather than a measured optimum:
+    a 2-core host keeps one slot with both cores (more slots raised no aggregate tokens/s
+    there, bench/results/xeon_amx/serve_load.md). At most 4: more slots share the memory
+    bandwidth each decode step is bound by (docs/server.md, "Slots")."""
     for name, v in (("cores", cores), ("per_slot_bytes", per_slot_bytes)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r}: must be an int >= 1")
