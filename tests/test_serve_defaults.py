@@ -33,7 +33,8 @@ def test_default_parallel_says_each_bound():
     assert "8 cores // 2 threads a slot = 4" in why and "holds 3 slots of 1.00 GB" in why
 
 
-@pytest.mark.parametrize("bad", [{"cores": 0}, {"per_slot_bytes": 0}, {"cores": 2.5}])
+@pytest.mark.parametrize("bad", [{"cores": 0}, {"per_slot_bytes": 0}, {"cores": 2.5},
+                                 {"threads": 0}])
 def test_default_parallel_bad_input_names_the_value(bad):
     args = dict(cores=4, free_bytes=GB, shared_bytes=0, per_slot_bytes=GB)
     args.update(bad)

@@ -23,7 +23,8 @@ from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensor
 from .formats import describe, requantized, stored_matrices, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
-from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
+from .safetensors_io import (INDEX_FILE, SINGLE_FILE, TensorReader, checkpoint_index,
+                             numpy_dtype_name)
 
 log = logging.getLogger("sapwood.loading")
 
@@ -432,7 +433,7 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
 def describe_load(ck: Checkpoint, est) -> str:
     """One line: the checkpoint, its files, how it is stored and loaded, and the memory the
     engine will take (memory.py's estimate, what check_memory compares with what is free)."""
-    files = sorted({i.path.name for i in ck.weights.infos.values()})
+    files = weight_files(ck.path)
     shown = files[0] if len(files) == 1 else f"{len(files)} shards ({files[0]}, ...)"
     stored = ck.stored_format or "/".join(sorted({i.dtype for i in ck.weights.infos.values()}))
     return (f"loading {ck.path} from {shown} ({_size(ck.weights.nbytes)} {stored}) as "
@@ -442,6 +443,14 @@ def describe_load(ck: Checkpoint, est) -> str:
 
 def _size(b: int) -> str:
     return f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.0f} MB"
+
+
+def weight_files(d: Path) -> list:
+    """The safetensors files a checkpoint's weights come from, as checkpoint_index read them
+    (already validated there): the single file, else the index's shards."""
+    if (d / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    return sorted(set(_read_json(d / INDEX_FILE, INDEX_FILE)["weight_map"].values()))
 
 
 def _announce(line: str, verbose: bool) -> None:

@@ -50,7 +50,8 @@ def default_parallel(cores: int, free_bytes: int, shared_bytes: int, per_slot_by
     a 2-core host keeps one slot with both cores (more slots raised no aggregate tokens/s
     there, bench/results/xeon_amx/serve_load.md). At most 4: more slots share the memory
     bandwidth each decode step is bound by (docs/server.md, "Slots")."""
-    for name, v in (("cores", cores), ("per_slot_bytes", per_slot_bytes)):
+    for name, v in (("cores", cores), ("per_slot_bytes", per_slot_bytes),
+                    ("threads", 1 if threads is None else threads)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r}: must be an int >= 1")
     per = SLOT_THREADS if threads is None else threads
