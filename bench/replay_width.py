@@ -11,7 +11,7 @@ width studies (`sapwood bench width`) could not tell a 3% change from none.
 
 record: per context (the width study's context at each depth, the first N cohort prompts),
 the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
-position of it, which depends only on the context (DESIGN.md: a node's logits do not depend
+position of it, which depends only on the context (docs/design.md: a node's logits do not depend
 on the batch), so whatever rounds a policy runs, its drafts are these; and the costs there,
 every alternated timing (and their medians): verify of 1..16 nodes, a draft of 1..8 rows, the
 draft's catch-up per token.

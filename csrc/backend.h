@@ -1,4 +1,4 @@
-// The backend seam (DESIGN.md "Backends"): one op list that the forward, the commit and the
+// The backend seam (docs/design.md "Backends"): one op list that the forward, the commit and the
 // drafter need, and the state of one sequence (KV pages, GDN state, tape, conv window) that a
 // backend owns in its own memory and layout. The forward (model.cpp) and the engine
 // (engine.cpp) are written once over it; the CPU backend is the ISA-dispatched kernels of

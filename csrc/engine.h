@@ -1,4 +1,4 @@
-// The Engine of DESIGN.md: committed state (paged KV + GDN layers) and the three calls
+// The Engine of docs/design.md: committed state (paged KV + GDN layers) and the three calls
 // prefill / verify / commit, plus snapshots of the committed state.
 #pragma once
 #include <atomic>
@@ -78,7 +78,7 @@ class Engine {
   ~Engine();
   // Self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is picked from
   // row r: its argmax (ties: lower id) at temperature 0, else the keyed Gumbel-max sample of
-  // the sampler (DESIGN.md: noise keyed by (seed, position, id)) among the row's
+  // the sampler (docs/design.md: noise keyed by (seed, position, id)) among the row's
   // kDraftSampleTop best ids, so a draft close to the target proposes the target's own sample.
   // Row r equals verify(chain[0..r])[r] bitwise; committed state unchanged. One call instead
   // of `rows` chain verifies of growing length. `chain` (if given) receives a1..a(rows).

@@ -88,7 +88,7 @@ struct SeqRows {
   const BatchLayout* lay;
 };
 
-// The forward pass of DESIGN.md, written once over the backend's op list and state.
+// The forward pass of docs/design.md, written once over the backend's op list and state.
 class Forward {
  public:
   Forward(const ModelDims& d, const ModelWeights& w) : d_(d), w_(w) {}
@@ -110,7 +110,7 @@ class Forward {
   // of every part's backend (Backend::new_sequence), over all rows at once, so each weight
   // matrix is read once for all of them; each part's attention and GDN layers run over its own
   // state and layout, so rows of different parts never see each other. The matmuls are
-  // row-independent (DESIGN.md "Exactness"): a part's logits [n][V] (appended in part order to
+  // row-independent (docs/design.md "Exactness"): a part's logits [n][V] (appended in part order to
   // *logits, [total][V]) and hidden rows are the bits run() gives it alone.
   void run_forest(Backend& ops, const std::vector<SeqRows>& parts, const int* tokens,
                   std::vector<float>* logits, std::vector<float>* hidden = nullptr);

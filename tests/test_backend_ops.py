@@ -13,7 +13,7 @@ selections the sampler uses run on the host's kernels, checked per CPU variant a
 device kernels a GPU backend has for them.
 
 Tolerances are stated per test; `==` where the op rounds no more than its reference does.
-Within a backend, DESIGN.md's exactness is asserted with `==`: a row's matmul result does not
+Within a backend, docs/design.md's exactness is asserted with `==`: a row's matmul result does not
 depend on the other rows, a tree node's attention and GDN output equal the chain's on its path.
 """
 from __future__ import annotations

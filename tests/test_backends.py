@@ -1,11 +1,11 @@
 """Whole models on every GPU backend this build has (metal-emulated everywhere; sycl-emulated and
-real devices where built), against the CPU engine and transformers (DESIGN.md "Backends").
+real devices where built), against the CPU engine and transformers (docs/design.md "Backends").
 
 Tiny checkpoints with an irregular layer pattern, dk != dv and Hv = 3 Hk. Within a backend the
 exactness rule holds bitwise (tree == chain == plain; generation identical across verify modes
 and drafters); across backends logits agree within a stated tolerance. The tolerances: fp32
 weights, int8 KV on both sides; the GPU kernels sum in their own fixed orders (lane-strided fma
-folded by simd_sum, DESIGN.md), so activations differ from the CPU's by float rounding
+folded by simd_sum, docs/design.md), so activations differ from the CPU's by float rounding
 (~1e-6 relative), which can move an int8 KV value by one step; the bound is 2e-3 of the logit
 scale for f32 and bf16 weights (measured on metal-emulated: f32 5e-6, bf16 3e-5). q8 and q4
 quantize activations to int8 per row: a float difference that moves one activation across a
