@@ -236,7 +236,7 @@ class Acceptance:
                 prior = self.parent.tables()[0]
             chance = (self.accepted + k * prior) / (self.offered + k)
             self._cache = (v, (chance, np.log(np.maximum(chance, 1e-12)),
-                               [float(chance[g, 0].mean()) for g in range(self.DEPTHS)]))
+                               chance[:self.DEPTHS, 0].mean(axis=1).tolist()))
         return self._cache[1]
 
     def chance(self, rank, logprob, depth, off=False):
@@ -316,8 +316,15 @@ class Request:
         return self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
 
     def _chain_seconds(self, m: int) -> list:
-        """Predicted seconds of a chain round of d rows, d = 1..m (None: unpriced)."""
-        return [self.policy.costs.round(self.band, "chain", d + 1, d) for d in range(1, m + 1)]
+        """Predicted seconds of a chain round of d rows, d = 1..m (None: unpriced): Costs.round
+        of each, its shared parts looked up once (this runs every round)."""
+        costs, b = self.policy.costs, self.band
+        draft, rest = costs.beside_verify(b, "chain", 1)
+        out = []
+        for d in range(1, m + 1):
+            v = costs.verify(b, d + 1)
+            out.append(None if v is None else v + d * draft + rest)
+        return out
 
     def chain_plan(self, max_rows: int | None = None, sd: float = 0.0, near: float = 0.0,
                    seconds: list | None = None):
