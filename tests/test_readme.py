@@ -47,3 +47,19 @@ def test_every_figure_has_its_command_and_no_internal_numbers():
         assert "`" in r.rstrip(" |").rsplit("|", 1)[1], f"no command: {r[:60]}"
     assert not re.search(r"\b(stop|issue)s? \d+", README, re.I), \
         re.search(r".{30}\b(stop|issue)s? \d+.{10}", README, re.I).group(0)
+
+
+def test_the_python_api_example_runs_as_written(capsys):
+    """The README's Python API block, word for word, on the bundled pair (offline)."""
+    import warnings
+
+    block = re.search(r"## Python API\n\n```python\n(.*?)```", README, re.S).group(1)
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bundled pair's ChatML notice
+        exec(compile(block, "README.md", "exec"), scope)
+    r1, r2, session = scope["r1"], scope["r2"], scope["session"]
+    assert session.continued == len(scope["ids"]) + len(r1.tokens) - 1 > 0
+    model, ids = scope["model"], scope["ids"]
+    assert r2.tokens == model.generate(ids + r1.tokens + model.encode("\n\n"), max_tokens=32).tokens
+    assert scope["stream"].result.text in capsys.readouterr().out  # the pieces, printed
