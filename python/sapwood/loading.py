@@ -18,12 +18,13 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import describe, requantized, stored_matrices, stored_view
+from .formats import auto_weights, describe, requantized, stored_matrices, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
 
-WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+# "auto": the checkpoint decides (formats.auto_weights); the others name an engine mode
+WEIGHT_FORMATS = ("auto", "f32", "bf16", "q8", "q4")
 KV_FORMATS = ("int8", "f32")
 # Every backend sapwood knows, and what a user does to get one this install lacks.
 KNOWN_BACKENDS = {
@@ -260,6 +261,7 @@ class Checkpoint:
     mtp_weights: CheckpointTensors | None = None
     stored_format: str | None = None  # formats.describe: a pre-quantized checkpoint's format
     stored_matrices: str | None = None  # formats.stored_matrices
+    auto_weights: str = "q8"  # formats.auto_weights: the mode weights="auto" loads in
 
 
 def read_config(d: Path) -> ModelConfig:
@@ -323,7 +325,7 @@ def read_checkpoint(path) -> Checkpoint:
                              f"model's vocab_size={cfg.vocab_size}")
         tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config),
-                      stored_matrices(raw_config))
+                      stored_matrices(raw_config), auto_weights(raw_config))
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -344,7 +346,7 @@ def default_target_path() -> Path:
     return _bundled("target")
 
 
-def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
+def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto", threads=None,
          max_context: int = 4096, policy_cache: bool = True, quiet: bool = False,
          check_memory: bool = True, revision: str | None = None, download: bool = False) -> Model:
     """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a hub id
@@ -352,7 +354,11 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     network allows; `revision` picks a branch, tag or commit), or "default": the bundled target
     with its draft model attached.
 
-    weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4".
+    weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4"; "auto" (the default)
+    lets the checkpoint decide (formats.auto_weights): "q4" for an MLX 4-bit file whose groups
+    run as stored, "q8" for the rest (a float file; FP8, 8-bit, GPTQ/AWQ, GGUF: 4-bit matrices
+    the engine runs as stored stay so in q8 too). A mode that rounds a pre-quantized file's
+    values a second time says so with a warning (f32 never does: it widens them exactly).
     kv: "int8" (paged int8 KV cache, the default) or "f32".
     threads: engine worker threads; None lets the engine choose.
     max_context: the most tokens a sequence may hold (prompt + generated + tree).
@@ -379,10 +385,12 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     # the checkpoint checked from its headers first (a config that the tensors contradict is
     # named as such), then its footprint, before any weight is read
     ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
+    asked, weights = weights, ck.auto_weights if weights == "auto" else weights
     again = requantized(ck.weights.infos, weights)
     if again:  # no kernel runs them as stored: exact in f32, rounded again in q8/q4/bf16
+        how = " (what weights='auto' picks for this format)" if asked == "auto" else ""
         warnings.warn(f"{ck.path.name}: {again} {ck.stored_format} tensors are rounded again "
-                      f"for weights={weights!r} (weights='f32' keeps their values exactly)",
+                      f"for weights={weights!r}{how}; weights='f32' keeps their values exactly",
                       stacklevel=2)
     if check_memory:
         check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
