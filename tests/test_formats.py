@@ -127,7 +127,12 @@ def test_bad_fp8_files_are_named(fp8_pair, tmp_path, edit, match):
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size=100"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "marlin"},
+     "checkpoint_format='marlin'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"}, "version='gemv'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt='e5m2'"),
     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size=None"),
 ])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from .common import Relaid, _bf16_bits, _f32  # noqa: F401
 from .fp8 import E4M3, SCALE_SUFFIX, BlockFp8, fp8_block_size, fp8_view  # noqa: F401
+from .int4 import Int4Linear, int4_config, int4_view  # noqa: F401
 from .mlx import MLX_NORMS, MlxAffine, mlx_quantization, mlx_view, runs_as_stored  # noqa: F401
 
 
@@ -36,6 +37,9 @@ def stored_view(index: dict, raw_config: dict) -> dict:
     quant = mlx_quantization(raw_config)
     if quant is not None:
         return mlx_view(index, quant)
+    int4 = int4_config(raw_config)
+    if int4 is not None:
+        return int4_view(index, int4)
     block = fp8_block_size(raw_config)
     if block is not None:
         return fp8_view(index, block)
@@ -56,6 +60,11 @@ def describe(raw_config: dict) -> str | None:
     q = raw_config.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "fp8":
         return f"FP8 e4m3 in {q.get('weight_block_size')} blocks"
+    if isinstance(q, dict) and q.get("quant_method") in ("gptq", "awq"):
+        g = q.get("group_size")
+        return (f"{q['quant_method'].upper()} int{q.get('bits')}, "
+                + ("one group a row" if g == -1 else f"groups of {g}")
+                + (" (desc_act)" if q.get("desc_act") else ""))
     return None
 
 
@@ -73,7 +82,10 @@ def requantized(infos: dict, weights: str) -> int:
 def stored_matrices(raw_config: dict) -> str | None:
     """"q4a" when a quantized load keeps the checkpoint's matrices as stored (MLX 4-bit groups
     of 64 or 128; per-module settings other than those are rounded again: the memory estimate
-    counts the global setting), else None."""
+    counts the global setting), else None. GPTQ/AWQ files give None although their int4
+    groups of 64/128 run as stored too: they keep the embeddings, the head and the GDN
+    projections in float, so counting every matrix as the mode asked over-counts (a safe
+    figure for the memory check) where counting them all as q4a would under-count."""
     q = raw_config.get("quantization")
     if isinstance(q, dict) and runs_as_stored(q.get("bits"), q.get("group_size")):
         return "q4a"

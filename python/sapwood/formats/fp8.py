@@ -78,8 +78,8 @@ def fp8_block_size(raw_config: dict) -> tuple | None:
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method={method!r}: sapwood reads float "
-                         "checkpoints and FP8 block-quantized ones ('fp8'); convert others to "
-                         "bf16 first")
+                         "checkpoints, FP8 block-quantized ones ('fp8'), GPTQ and AWQ int4 "
+                         "('gptq', 'awq'), MLX and GGUF files; convert others to bf16 first")
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt={fmt!r}: FP8 checkpoints are read in e4m3")
