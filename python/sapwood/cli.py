@@ -253,9 +253,17 @@ def cmd_inspect(a) -> int:
     from .loading import _read_json, read_config
     from .memory import GB, WEIGHT_MODES, available_bytes, estimate_config
 
-    d = resolve_checkpoint(a.path, revision=a.revision, download=a.download)
-    cfg = read_config(d)
-    raw = _read_json(d / "config.json", "config.json")
+    from .config import ModelConfig
+    from .formats.gguf import gguf_file_config, is_gguf
+
+    if is_gguf(os.path.expanduser(a.path)):  # one file: its metadata is the config
+        d = os.path.expanduser(a.path)
+        raw = gguf_file_config(d)
+        cfg = ModelConfig.from_dict(raw)
+    else:
+        d = resolve_checkpoint(a.path, revision=a.revision, download=a.download)
+        cfg = read_config(d)
+        raw = _read_json(d / "config.json", "config.json")
     if a.weights == "auto":
         a.weights = auto_weights(raw)
     ests = {m: estimate_config(cfg, weights=m, kv=a.kv, max_context=a.max_context,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
 from .formats import auto_weights, describe, requantized, stored_matrices, stored_view
+from .formats.gguf import is_gguf
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
@@ -278,6 +280,8 @@ def read_checkpoint(path) -> Checkpoint:
     tensor's name, shape and dtype from the file headers, the tokenizer. Of the weights only the
     small A_log tensors are read (their range is checked); the rest stream into the engine."""
     d = Path(path)
+    if is_gguf(d):
+        return read_gguf_checkpoint(d)
     cfg = read_config(d)
     gen = {}
     if (d / "generation_config.json").is_file():
@@ -312,20 +316,56 @@ def read_checkpoint(path) -> Checkpoint:
         tf = d / "tokenizer.json"
         try:
             tokenizer = Tokenizer.from_file(str(tf))
-            vocab = tokenizer.get_vocab(with_added_tokens=True)
         except BaseException as e:  # its own Exception type, or a Rust panic (tokenizing.py)
             if not isinstance(e, Exception) and not tokenizing.is_panic(e):
                 raise
             raise ValueError(f"{tf}: cannot be loaded: {tokenizing.describe(e)}") from None
-        # ids past the embedding table would index out of bounds: their count, and the largest
-        # (an added token may have any id)
-        top = max(vocab.values(), default=-1)
-        if len(vocab) > cfg.vocab_size or top >= cfg.vocab_size:
-            raise ValueError(f"{tf}: {len(vocab)} tokens, the largest id {top}, more than the "
-                             f"model's vocab_size={cfg.vocab_size}")
-        tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
+        _check_tokenizer(tokenizer, cfg, tf)
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config),
                       stored_matrices(raw_config), auto_weights(raw_config))
+
+
+def _check_tokenizer(tokenizer, cfg: ModelConfig, where) -> None:
+    from . import tokenizing
+    try:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    except BaseException as e:  # its own Exception type, or a Rust panic (tokenizing.py)
+        if not isinstance(e, Exception) and not tokenizing.is_panic(e):
+            raise
+        raise ValueError(f"{where}: cannot be loaded: {tokenizing.describe(e)}") from None
+    # ids past the embedding table would index out of bounds: their count, and the largest
+    # (an added token may have any id)
+    top = max(vocab.values(), default=-1)
+    if len(vocab) > cfg.vocab_size or top >= cfg.vocab_size:
+        raise ValueError(f"{where}: {len(vocab)} tokens, the largest id {top}, more than the "
+                         f"model's vocab_size={cfg.vocab_size}")
+    tokenizing.check(tokenizer, where)  # a tokenizer that panics on plain text: ValueError
+
+
+def read_gguf_checkpoint(path) -> Checkpoint:
+    """A GGUF file (formats/gguf.py) as read_checkpoint reads a directory: its metadata as the
+    config, every tensor checked by name and shape from the tensor table, the tokenizer it
+    holds; only the small A_log tensors are read."""
+    from .formats.gguf import read_gguf
+    p = Path(path)
+    g = read_gguf(p)
+    try:
+        cfg = ModelConfig.from_dict(g.config)
+        weights = CheckpointTensors(check_tensors(cfg, normalize_names(g.tensors)),
+                                    watch={head_name(cfg)})
+        mtp = None
+        if cfg.mtp_layers:
+            infos = mtp_tensors(g.tensors)
+            check_mtp_tensors(cfg, infos)
+            mtp = CheckpointTensors(infos)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
+    _check_values(cfg, weights)
+    if g.tokenizer is not None:
+        _check_tokenizer(g.tokenizer, cfg, f"{p} (its tokenizer)")
+    gen = {} if g.eos is None else {"eos_token_id": g.eos}
+    return Checkpoint(p, cfg, weights, g.tokenizer, gen, g.chat_template, mtp, g.stored_format,
+                      None, "q8")
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -349,7 +389,8 @@ def default_target_path() -> Path:
 def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto", threads=None,
          max_context: int = 4096, policy_cache: bool = True, quiet: bool = False,
          check_memory: bool = True, revision: str | None = None, download: bool = False) -> Model:
-    """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a hub id
+    """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a GGUF
+    file (llama.cpp's converter's `qwen35` files, any of their tensor types), a hub id
     ("Qwen/Qwen3.5-9B", from the local Hugging Face cache; `download=True` fetches it when the
     network allows; `revision` picks a branch, tag or commit), or "default": the bundled target
     with its draft model attached.
@@ -384,7 +425,9 @@ def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto"
 
     # the checkpoint checked from its headers first (a config that the tensors contradict is
     # named as such), then its footprint, before any weight is read
-    ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
+    local = Path(os.path.expanduser(os.fspath(path)))
+    ck = read_checkpoint(local if is_gguf(local) else
+                         resolve_checkpoint(path, revision=revision, download=download))
     asked, weights = weights, ck.auto_weights if weights == "auto" else weights
     again = requantized(ck.weights.infos, weights)
     if again:  # no kernel runs them as stored: exact in f32, rounded again in q8/q4/bf16

@@ -156,6 +156,13 @@ def estimate(path, *, weights: str = "auto", kv: str = "int8", max_context: int 
     from .formats import auto_weights, stored_matrices
     from .loading import _read_json
 
+    from .formats.gguf import gguf_file_config, is_gguf
+    local = Path(os.path.expanduser(os.fspath(path)))
+    if is_gguf(local):  # one file: its metadata is the config; nothing runs as stored
+        from .config import ModelConfig
+        return estimate_config(ModelConfig.from_dict(gguf_file_config(local)),
+                               weights="q8" if weights == "auto" else weights, kv=kv,
+                               max_context=max_context)
     d = resolve_checkpoint(path, revision=revision)
     raw = _read_json(d / "config.json", "config.json")
     if weights == "auto":  # what load(weights="auto") picks
