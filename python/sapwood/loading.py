@@ -116,7 +116,7 @@ class CheckpointTensors(Mapping):
 
     def read(self, name: str, r0: int, r1: int) -> np.ndarray:
         info = self.infos[name]
-        if hasattr(info, "rows"):  # a format's view (formats.py)
+        if hasattr(info, "rows"):  # a format's view (formats/)
             x = info.rows(self._reader, int(r0), int(r1))
         else:
             x = self._reader.rows(info, int(r0), int(r1))
@@ -128,7 +128,7 @@ class CheckpointTensors(Mapping):
 
     @property
     def q4_affine_names(self) -> list:
-        """Matrices stored as affine 4-bit groups the engine runs as stored (formats.py)."""
+        """Matrices stored as affine 4-bit groups the engine runs as stored (formats/)."""
         return [n for n, i in self.infos.items() if getattr(i, "q4_affine", False)]
 
     def read_q4_affine(self, name: str, r0: int, r1: int):

@@ -2,25 +2,18 @@
 
 A format turns the stored tensors of a checkpoint (quantized values, their scales) into the
 logical float tensors the model reads, one chunk of rows at a time, so a load still holds the
-engine plus one chunk. The engine then stores them as asked (f32, bf16, q8, q4).
+engine plus one chunk. The engine then stores them as asked (f32, bf16, q8, q4), except
+matrices it runs as stored: affine 4-bit groups of 64 (`q4_affine`, QMatrix's q4a), which a
+q8 or q4 load keeps byte for byte. Every format reads exactly: an f32 load holds the values
+the file means (the submodules say to what precision each is "exact").
 
-FP8 block quantization (`quantization_config: {"quant_method": "fp8", "fmt": "e4m3",
-"weight_block_size": [128, 128]}`, as Qwen's and DeepSeek's FP8 releases and transformers'
-finegrained_fp8 write it): `X.weight` holds float8 e4m3 values and `X.weight_scale_inv` one
-scale per block of rows x columns; the weight is value * scale (transformers' dequantisation).
-Each value widens exactly to float32 and the product is rounded once, to float32: the tensor
-the engine gets is within half a float32 ulp of the stored one. Tensors without a scale (the
-`modules_to_not_convert`, norms, the GDN parameters) stay as they are stored.
+- fp8.py: FP8 block quantization (Qwen's and DeepSeek's FP8 releases).
+- mlx.py: MLX affine 2/4/8-bit (mlx-lm's converter), mlx-lm's renames undone.
+- int4.py: GPTQ (AutoGPTQ / GPTQModel, desc_act too) and AWQ (GEMM) int4 safetensors.
+- gguf.py: llama.cpp's GGUF files of Qwen3.5 (any tensor type), with their tokenizer.
 
-MLX affine quantization (mlx-lm's converter: `quantization: {"group_size", "bits"}` in
-config.json, per-module overrides by path): `X.weight` packs `bits`-bit values q low bits first
-into uint32, `X.scales` and `X.biases` hold one scale s and bias b per group of inputs, and the
-weight is s * q + b. Read here as that float32 expression (s, b widen exactly; s * q is exact;
-the sum rounds once), so the engine gets what MLX stores within half a float32 ulp; kernels
-that run the groups as stored are the next step. mlx-lm also renames (`language_model.`), moves
-the GDN conv1d's axes ([C, K, 1]) and stores the zero-centred RMSNorm weights plus one: undone
-here (the reshape moves no byte; the minus one is exact for weights in [0.5, 2]). It drops the
-MTP head.
+weights="auto" (auto_weights) picks the mode a checkpoint loads in; requantized() counts the
+tensors a mode rounds a second time, for the warning loading prints.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 config.json, per-module overrides by path): `X.weight` packs `bits`-bit values q low bits first
 into uint32, `X.scales` and `X.biases` hold one scale s and bias b per group of inputs, and the
 weight is s * q + b. Read here as that float32 expression (s, b widen exactly; s * q is exact;
-the sum rounds once), so the engine gets what MLX stores within half a float32 ulp; kernels
-that run the groups as stored are the next step. mlx-lm also renames (`language_model.`), moves
+the sum rounds once), so the engine gets what MLX stores within half a float32 ulp; 4-bit
+groups of 64 or 128 run as stored in q4/q8 loads (q4_affine_rows). mlx-lm also renames (`language_model.`), moves
 the GDN conv1d's axes ([C, K, 1]) and stores the zero-centred RMSNorm weights plus one: undone
 here (the reshape moves no byte; the minus one is exact for weights in [0.5, 2]). It drops the
 MTP head.
