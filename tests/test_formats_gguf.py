@@ -159,17 +159,20 @@ def write_gguf(src, out, qtype=QT.F32, *, pre="gpt-2", seed=0, edit_meta=None, t
                  [t == "linear_attention" for t in text["layer_types"]] + [False] * mtp)
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab, added = tok["model"]["vocab"], {a["content"]: a for a in tok["added_tokens"]}
-    ids = {i: t for t, i in vocab.items()}
+    ids = {i: t for t, i in vocab.items()} | {a["id"]: t for t, a in added.items()}
     V = text["vocab_size"]
+    # the converter's types: 1 normal, 3 control (special added), 4 user-defined, 5 padding
     tokens = [ids.get(i, f"[PAD{i}]") for i in range(V)]
-    types = [5 if i not in ids else 3 if ids[i] in added else 1 for i in range(V)]
+    types = [5 if i not in ids else (3 if added[ids[i]]["special"] else 4) if ids[i] in added
+             else 1 for i in range(V)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre(pre)
     wr.add_token_list(tokens)
     wr.add_token_types(types)
     wr.add_token_merges(merges)
-    wr.add_eos_token_id(vocab["<|endoftext|>"] if "<|endoftext|>" in vocab else 0)
+    eos = next((e for e in ("<|im_end|>", "<|endoftext|>") if e in vocab or e in added), None)
+    wr.add_eos_token_id(added[eos]["id"] if eos in added else vocab.get(eos, 0))
     means = {}
     for hf, x in (tensors or w).items():
         g, plus = gguf_name(hf, n)
