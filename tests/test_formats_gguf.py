@@ -387,3 +387,35 @@ def test_another_architecture_is_refused(tmp_path):
     wr.close()
     with pytest.raises(ValueError, match="general.architecture='llama': sapwood reads Qwen3.5"):
         sapwood.load(tmp_path / "llama.gguf", quiet=True)
+
+
+def test_malformed_metadata_is_named(src, tmp_path):
+    """A value of the wrong type where a count belongs, and bytes flipped across the header:
+    a ValueError naming the file, never a crash."""
+    wr = gguf.GGUFWriter(str(tmp_path / "s.gguf"), ARCH)
+    wr.add_string(f"{ARCH}.block_count", "four")
+    wr.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(ValueError, match=r"s\.gguf: malformed GGUF metadata"):
+        sapwood.load(tmp_path / "s.gguf", quiet=True)
+    write_gguf(src, tmp_path / "m.gguf", QT.Q8_0)
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        bad = bytearray(data)
+        for pos in rng.integers(4, 4096, 3):  # past the magic, through the header
+            bad[pos] ^= int(rng.integers(1, 256))
+        p = tmp_path / f"f{trial}.gguf"
+        p.write_bytes(bytes(bad))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sapwood.load(p, weights="f32", quiet=True, check_memory=False)
+        except ValueError as e:
+            assert f"f{trial}.gguf" in str(e), e
+        except MemoryError:
+            pass  # a size the header claims, refused before allocation
+        p.unlink()

@@ -263,3 +263,15 @@ def test_bad_int4_files_are_named(src, tmp_path, edit, match):
 def test_a_zero_bias_is_dropped(src, tmp_path):
     d = _edit(src, tmp_path, lambda t: t.update({P + ".bias": np.zeros(256, np.float16)}))
     sapwood.load(d, weights="f32", quiet=True)
+
+
+def test_a_dropped_mtp_head_is_not_required(src, tmp_path):
+    """A quantizer that drops the MTP head keeps the config's announcement (as mlx-lm does):
+    the model loads without the head; other drafters draft."""
+    write_int4(src, tmp_path / "q", tmp_path / "deq", "gptq", 64)
+    t = st.load_file(str(tmp_path / "q" / "model.safetensors"))
+    st.save_file({k: v for k, v in t.items() if not k.startswith("mtp.")},
+                 str(tmp_path / "q" / "model.safetensors"))
+    m = sapwood.load(tmp_path / "q", quiet=True)
+    assert m.mtp is None
+    assert len(m.generate(IDS, max_tokens=4, drafter="lookup").tokens) == 4

@@ -19,7 +19,8 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import auto_weights, describe, requantized, stored_matrices, stored_view
+from .formats import (auto_weights, describe, int4_config, requantized, stored_matrices,
+                      stored_view)
 from .formats.gguf import is_gguf
 from .memory import check_fits, estimate_config
 from .model import Model
@@ -300,8 +301,10 @@ def read_checkpoint(path) -> Checkpoint:
     _check_values(cfg, weights)
     mtp = None
     # a head the config does not announce is ignored, as transformers does; mlx-lm's
-    # conversion drops the head and keeps the config's announcement
-    if cfg.mtp_layers and not ("quantization" in raw_config and not mtp_tensors(index)):
+    # conversion drops the head and keeps the config's announcement, and a GPTQ/AWQ quantizer
+    # may too (their MTP head, when kept, stays bf16)
+    dropped = not mtp_tensors(index) and ("quantization" in raw_config or int4_config(raw_config))
+    if cfg.mtp_layers and not dropped:
         infos = mtp_tensors(index)
         try:
             check_mtp_tensors(cfg, infos)

@@ -340,7 +340,7 @@ def _reader(path: Path):
                          "(pip install gguf)") from None
     try:
         return gguf.GGUFReader(path, "r")
-    except (ValueError, KeyError, IndexError, OSError, EOFError) as e:
+    except Exception as e:  # numpy, struct or memmap errors of a corrupt or truncated file
         raise ValueError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from None
 
 
@@ -348,18 +348,29 @@ def gguf_file_config(path) -> dict:
     """The HF config.json of a GGUF file, from its metadata alone (memory.estimate)."""
     path = Path(path)
     reader = _reader(path)
-    return gguf_config(reader, path, {t.name for t in reader.tensors})
+    try:
+        return gguf_config(reader, path, {t.name for t in reader.tensors})
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise ValueError(f"{path}: malformed GGUF metadata: {type(e).__name__}: {e}") from None
 
 
 def read_gguf(path) -> GgufFile:
     """Parse a GGUF file's metadata, tensor table and tokenizer (no tensor data is read)."""
     path = Path(path)
     reader = _reader(path)
-    names = {t.name for t in reader.tensors}
-    cfg = gguf_config(reader, path, names)
-    tensors = gguf_view(reader, path, cfg)
-    tok = gguf_tokenizer(reader, path)
-    tmpl = _field(reader, "tokenizer.chat_template")
+    try:
+        names = {t.name for t in reader.tensors}
+        cfg = gguf_config(reader, path, names)
+        tensors = gguf_view(reader, path, cfg)
+        tok = gguf_tokenizer(reader, path)
+        tmpl = _field(reader, "tokenizer.chat_template")
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: malformed GGUF metadata: {e}") from None
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        # a value of the wrong type (a string where a count belongs, ...)
+        raise ValueError(f"{path}: malformed GGUF metadata: {type(e).__name__}: {e}") from None
     eos = cfg.get("eos_token_id")
     del reader  # its memory map of the file goes with it
     return GgufFile(cfg, tensors, tok, tmpl if isinstance(tmpl, str) else None, eos)
