@@ -399,3 +399,18 @@ def test_an_explicit_mode_that_rounds_again_says_so(tmp_path, weights, lossy):
                                             f"rounded again for weights='{weights}';", said[0])
     else:
         assert not said
+
+
+def test_auto_on_a_gpu_backend_rounds_what_it_cannot_keep(tmp_path):
+    """The GPU backends have no kernel for stored affine groups: weights='auto' there loads
+    an MLX 4-bit file's values into q4 (said: rounded again) instead of refusing, and tokens
+    are the same in every verify mode."""
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 4, 64)
+    with pytest.warns(UserWarning, match=r"MLX affine 4-bit, groups of 64 tensors are rounded "
+                                         r"again for weights='q4' \(what weights='auto'"):
+        m = sapwood.load(tmp_path / "mlx", backend="metal-emulated", quiet=True)
+    assert m.weights == "q4"
+    kw = dict(max_tokens=6, temperature=0.8, seed=1, drafter="lookup")
+    assert m.generate([5, 17, 99], verify="chain", **kw).tokens == \
+        m.generate([5, 17, 99], verify="off", **kw).tokens

@@ -61,14 +61,15 @@ def describe(raw_config: dict) -> str | None:
     return None
 
 
-def requantized(infos: dict, weights: str) -> int:
+def requantized(infos: dict, weights: str, as_stored: bool = True) -> int:
     """How many stored quantized tensors a load in `weights` rounds a second time: none in f32
     (every format widens exactly to float32); in q4/q8 those no kernel runs as stored (affine
-    4-bit groups of 64 do: `q4_affine`); in bf16 all of them."""
+    4-bit groups of 64 do: `q4_affine`, on the CPU backend: as_stored); in bf16 all of them."""
     n = 0
     for info in infos.values():
         if getattr(info, "quantized", False):
-            n += weights == "bf16" or (weights in ("q4", "q8") and not info.q4_affine)
+            kept = as_stored and info.q4_affine
+            n += weights == "bf16" or (weights in ("q4", "q8") and not kept)
     return n
 
 
