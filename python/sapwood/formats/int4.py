@@ -28,7 +28,7 @@ representable). A q4 or q8 load then keeps the stored nibbles; other groupings (
 are dequantized and rounded once more by the mode asked (a warning says so).
 
 The packed tensors are stored [in, out]-like (transposed against the engine's rows): a chunk of
-output rows is a column slice of every packed row, read with one positioned read a row.
+output rows is a column slice of every packed row (_cols).
 """
 from __future__ import annotations
 
@@ -47,13 +47,16 @@ PARTS = ("qweight", "qzeros", "scales", "g_idx", "bias")
 
 def _cols(reader: TensorReader, info: TensorInfo, c0: int, c1: int) -> np.ndarray:
     """Columns [c0, c1) of a 2-D stored tensor, every row, as a new [rows, c1 - c0] array in
-    the file's dtype (BF16 as uint16 bits): one positioned read a row."""
+    the file's dtype (BF16 as uint16 bits). Whole rows are read, 16 MB at a time, and the
+    slice kept: a read per row (the strided slice alone) would cost a system call per input
+    row of every chunk, where the packed tensors are a few tens of MB read from the page
+    cache once per chunk."""
     rows, cols = info.shape
-    dt = np.dtype(_DTYPES[info.dtype])
-    out = np.empty((rows, c1 - c0), dt)
-    item = dt.itemsize
-    for r in range(rows):
-        reader._read_into(info, info.offset + (r * cols + c0) * item, out[r])
+    out = np.empty((rows, c1 - c0), np.dtype(_DTYPES[info.dtype]))
+    step = max(1, (16 << 20) // max(1, info.row_bytes))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        out[r0:r1] = reader.rows(info, r0, r1).reshape(r1 - r0, cols)[:, c0:c1]
     return out
 
 
