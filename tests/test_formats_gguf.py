@@ -419,3 +419,12 @@ def test_malformed_metadata_is_named(src, tmp_path):
         except MemoryError:
             pass  # a size the header claims, refused before allocation
         p.unlink()
+
+
+def test_a_directory_of_gguf_files_names_them(src, tmp_path):
+    write_gguf(src, tmp_path / "m-Q8_0.gguf", QT.Q8_0)
+    with pytest.raises(ValueError, match=r"no config.json, but GGUF files: m-Q8_0.gguf; load one"):
+        sapwood.load(tmp_path, quiet=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert sapwood.load(str(tmp_path / "m-Q8_0.gguf"), quiet=True).weights == "q8"

@@ -276,6 +276,10 @@ def read_config(d: Path) -> ModelConfig:
     if not d.is_dir():
         raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
     if not (d / "config.json").is_file():
+        ggufs = sorted(p.name for p in d.glob("*.gguf"))
+        if ggufs:  # a GGUF repository holds one file per quantization: the file is the model
+            raise ValueError(f"{d}: no config.json, but GGUF files: {_few(ggufs)}; load one of "
+                             "them (its path)")
         raise ValueError(f"{d}: no config.json")
     return ModelConfig.from_dict(_read_json(d / "config.json", "config.json"))
 
