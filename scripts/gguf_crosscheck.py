@@ -47,7 +47,8 @@ def main() -> None:
     src = a.out / "hf"
     if not (src / "config.json").is_file():
         make_tiny_checkpoint(src, seed=4, mtp=True, layout="multimodal", vocab=248320,
-                             hidden=a.hidden, intermediate=2 * a.hidden, hk=2, hv=4, dk=32,
+                             hidden=a.hidden, intermediate=2 * a.hidden, hk=2, hv=4,
+                             dk=a.hidden // 4,  # llama.cpp reads dk == dv (as Qwen3.5 has)
                              dv=a.hidden // 4, head_dim=64)
         write_tokenizer(src, kind="qwen", vocab_size=248320)
     hf = read_checkpoint(src)
@@ -66,6 +67,7 @@ def main() -> None:
                 subprocess.run([str(a.llama_bin / "llama-quantize"), str(files["f32"]),
                                 str(files["llama-quantize " + t]), t], check=True,
                                capture_output=True)
+    prompt = "def merge(a, b):\n    return sorted(a + b)  # 你好"
     for t, f in files.items():
         ck = read_checkpoint(f)
         worst = max((float(np.abs(ck.weights[n] - tiled[n]).max() / np.abs(tiled[n]).max()), n)
@@ -77,6 +79,30 @@ def main() -> None:
               f"{worst[0]:.3g} ({worst[1]}); logits vs the HF checkpoint: max |diff| / max "
               f"|logit| {np.abs(z - ref).max() / np.abs(ref).max():.3g}, argmax agree "
               f"{(z.argmax(1) == ref.argmax(1)).mean():.2f}")
+        if a.llama_bin is not None:
+            llama_logits(a, f, prompt, ck)
+
+
+def llama_logits(a, f: Path, prompt: str, ck) -> None:
+    """llama.cpp's last-position logits of `prompt` on file f (llama-debug --save-logits)
+    against sapwood's f32 load of the same file, on the same token ids."""
+    import sapwood
+    out = a.out / "llama-logits"
+    subprocess.run([str(a.llama_bin / "llama-debug"), "-m", str(f), "-p", prompt,
+                    "--save-logits", "--logits-output-dir", str(out), "-t", "2", "-c", "512"],
+                   check=True, capture_output=True)
+    want = np.fromfile(out / f"llamacpp-{f.stem}.bin", np.float32)
+    ids = np.fromfile(out / f"llamacpp-{f.stem}-tokens.bin", np.int32).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = sapwood.load(f, weights="f32", kv="f32", quiet=True)
+    same_ids = m.encode(prompt) == ids
+    got = m.engine.prefill(ids, True)[-1]
+    print(f"  llama.cpp on the same file ({len(ids)} tokens; sapwood's tokenizer gives the same "
+          f"ids: {same_ids}): max |diff| / max |logit| "
+          f"{np.abs(got - want).max() / np.abs(want).max():.3g}, argmax {int(got.argmax())} / "
+          f"{int(want.argmax())}, top-10 overlap "
+          f"{len(set(np.argsort(-got)[:10]) & set(np.argsort(-want)[:10]))}/10")
 
 
 if __name__ == "__main__":
