@@ -127,7 +127,12 @@ def test_bad_fp8_files_are_named(fp8_pair, tmp_path, edit, match):
 
 
 @pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    ({"quant_method": "bitsandbytes", "bits": 4}, "quant_method='bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size=100"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 64, "checkpoint_format": "marlin"},
+     "checkpoint_format='marlin'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemv"}, "version='gemv'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt='e5m2'"),
     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size=None"),
 ])
@@ -338,3 +343,76 @@ def test_the_memory_estimate_counts_stored_groups(tmp_path, weights):
         warnings.simplefilter("ignore")
         m = sapwood.load(tmp_path / "mlx", weights=weights, quiet=True)
     assert est.parts["weights"] == m.engine.memory()["weights_bytes"]
+
+
+# weights="auto" (the default): the checkpoint decides (formats.auto_weights)
+@pytest.mark.parametrize("bits, group, overrides, want", [
+    (4, 64, {}, "q4"), (4, 128, {}, "q4"), (4, 32, {}, "q8"), (8, 64, {}, "q8"), (2, 64, {}, "q8"),
+    (4, 64, {"language_model.model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64}}, "q8"),
+])
+def test_auto_keeps_what_runs_as_stored(tmp_path, bits, group, overrides, want):
+    """MLX 4-bit groups of 64/128 load as q4 (as stored, no warning); anything else in q8, and
+    a load that rounds stored values again says so, naming the format and the mode."""
+    import warnings
+    # widths that groups of 128 divide: every matrix quantized, as the estimate assumes
+    make_tiny_checkpoint(tmp_path / "float", seed=6, hidden=128, intermediate=256, dv=32)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", bits, group, overrides)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m = sapwood.load(tmp_path / "mlx", quiet=True)
+    assert m.weights == want
+    said = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+    if want == "q4":
+        assert not said
+    else:
+        assert len(said) == 1 and f"MLX affine {bits}-bit, groups of {group}" in said[0]
+        assert "weights='q8' (what weights='auto' picks" in said[0]
+    est = sapwood.estimate(tmp_path / "mlx")
+    assert est.weights == want
+    if not overrides:  # the estimate counts the global setting (formats.stored_matrices)
+        assert est.parts["weights"] == m.engine.memory()["weights_bytes"]
+
+
+def test_auto_is_q8_for_float_and_fp8(fp8_pair):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sapwood.load(fp8_pair / "float", quiet=True).weights == "q8"
+    with pytest.warns(UserWarning, match=r"FP8 e4m3 in \[16, 24\] blocks tensors are rounded "
+                                         r"again for weights='q8' \(what weights='auto'"):
+        assert sapwood.load(fp8_pair / "fp8", quiet=True).weights == "q8"
+
+
+@pytest.mark.parametrize("weights, lossy", [("f32", False), ("q8", True), ("q4", True),
+                                            ("bf16", True)])
+def test_an_explicit_mode_that_rounds_again_says_so(tmp_path, weights, lossy):
+    """An MLX 8-bit file: f32 widens it exactly (silent); q8, q4 and bf16 round it again and
+    the warning names the file's format and the mode."""
+    import warnings
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 8, 64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        m = sapwood.load(tmp_path / "mlx", weights=weights, quiet=True)
+    assert m.weights == weights
+    said = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+    if lossy:
+        assert len(said) == 1 and re.search(r"\d+ MLX affine 8-bit, groups of 64 tensors are "
+                                            f"rounded again for weights='{weights}';", said[0])
+    else:
+        assert not said
+
+
+def test_auto_on_a_gpu_backend_rounds_what_it_cannot_keep(tmp_path):
+    """The GPU backends have no kernel for stored affine groups: weights='auto' there loads
+    an MLX 4-bit file's values into q4 (said: rounded again) instead of refusing, and tokens
+    are the same in every verify mode."""
+    make_tiny_checkpoint(tmp_path / "float", seed=6)
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 4, 64)
+    with pytest.warns(UserWarning, match=r"MLX affine 4-bit, groups of 64 tensors are rounded "
+                                         r"again for weights='q4' \(what weights='auto'"):
+        m = sapwood.load(tmp_path / "mlx", backend="metal-emulated", quiet=True)
+    assert m.weights == "q4"
+    kw = dict(max_tokens=6, temperature=0.8, seed=1, drafter="lookup")
+    assert m.generate([5, 17, 99], verify="chain", **kw).tokens == \
+        m.generate([5, 17, 99], verify="off", **kw).tokens

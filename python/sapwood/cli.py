@@ -61,7 +61,7 @@ def version() -> str:
         return __version__
 
 
-WEIGHTS = ["f32", "bf16", "q8", "q4"]
+WEIGHTS = ["auto", "f32", "bf16", "q8", "q4"]
 KV = ["int8", "f32"]
 DRAFTER_HELP = ("'mtp' (the checkpoint's own MTP head), 'lookup' (prompt lookup), 'default' (the "
                 "bundled draft) or a draft checkpoint directory (default: the model's attached "
@@ -73,8 +73,9 @@ def _add_load_args(p: argparse.ArgumentParser, backend: str, threads: str) -> No
     p.add_argument("--revision", default=None, help="hub id: branch, tag or commit (default: main)")
     p.add_argument("--download", action="store_true",
                    help="hub id: download it when it is not in the local cache")
-    p.add_argument("--weights", default="q8", choices=WEIGHTS,
-                   help="how the weights are stored: f32, bf16, or int8 / int4 quantised")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="how the weights are stored: f32, bf16, or int8 / int4 quantised; auto: "
+                        "q4 for an MLX 4-bit file (run as stored), else q8")
     p.add_argument("--kv", default="int8", choices=KV, help="how the KV cache is stored")
     p.add_argument("--threads", type=_threads, default=None, metavar="N",
                    help=f"engine worker threads{threads}")
@@ -275,12 +276,25 @@ def _error_line(e: BaseException) -> str:
 def cmd_inspect(a) -> int:
     """What a checkpoint is and what loading it will take, from config.json alone."""
     from .hub import resolve_checkpoint
-    from .loading import read_config
+    from .formats import auto_weights, stored_matrices
+    from .loading import _read_json, read_config
     from .memory import GB, WEIGHT_MODES, available_bytes, estimate_config
 
-    d = resolve_checkpoint(a.path, revision=a.revision, download=a.download)
-    cfg = read_config(d)
-    ests = {m: estimate_config(cfg, weights=m, kv=a.kv, max_context=a.max_context) for m in WEIGHT_MODES}
+    from .config import ModelConfig
+    from .formats.gguf import gguf_file_config, is_gguf
+
+    if is_gguf(os.path.expanduser(a.path)):  # one file: its metadata is the config
+        d = os.path.expanduser(a.path)
+        raw = gguf_file_config(d)
+        cfg = ModelConfig.from_dict(raw)
+    else:
+        d = resolve_checkpoint(a.path, revision=a.revision, download=a.download)
+        cfg = read_config(d)
+        raw = _read_json(d / "config.json", "config.json")
+    if a.weights == "auto":
+        a.weights = auto_weights(raw)
+    ests = {m: estimate_config(cfg, weights=m, kv=a.kv, max_context=a.max_context,
+                               stored=stored_matrices(raw)) for m in WEIGHT_MODES}
     free = available_bytes()
     if a.json:
         print(json.dumps({"path": str(d), "config": vars(cfg),
@@ -375,7 +389,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 def _bench(name, a) -> int:
     import importlib
 
-    if name == "peers" and a.weights == "q8":
+    if name == "peers" and a.weights in ("auto", "q8"):
         a.weights = ["q8", "f32"]
     elif name == "peers":
         a.weights = [a.weights]
@@ -457,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins = add("inspect", "a checkpoint's shape and the memory loading it takes (per part, "
                          "every weights mode), without loading it")
     ins.add_argument("path", help="checkpoint directory or Hugging Face repo id")
-    ins.add_argument("--weights", default="q8", choices=WEIGHTS,
+    ins.add_argument("--weights", default="auto", choices=WEIGHTS,
                      help="the weights mode whose parts are listed (all modes' totals follow)")
     ins.add_argument("--kv", default="int8", choices=KV, help="how the KV cache would be stored")
     ins.add_argument("--max-context", type=int, default=4096, metavar="N",

@@ -32,9 +32,9 @@ def hf_cache_dir() -> Path:
 
 def resolve_checkpoint(name_or_path, *, revision: str | None = None,
                        download: bool = False) -> Path:
-    """The checkpoint directory `name_or_path` names.
+    """The checkpoint directory (or GGUF file) `name_or_path` names.
 
-    An existing local directory is returned as is (it wins over a repo id of the same
+    An existing local directory or GGUF file is returned as is (it wins over a repo id of the same
     spelling). Otherwise an "org/name" repo id resolves to its snapshot in the HF cache
     (revision: a branch, tag or commit; None: main); download=True fetches what is missing.
     ValueError says what was looked for, where, and how to fetch it.
@@ -44,7 +44,10 @@ def resolve_checkpoint(name_or_path, *, revision: str | None = None,
     if name and p.is_dir():  # Path("") is ".": an empty name is a mistake, not the cwd
         return p
     if name and p.exists():
-        raise ValueError(f"{name!r} is a file, not a checkpoint directory")
+        from .formats.gguf import is_gguf
+        if is_gguf(p):  # a GGUF file is a checkpoint of one file (formats/gguf.py)
+            return p
+        raise ValueError(f"{name!r} is a file, not a checkpoint directory or a GGUF file")
     if not _REPO_ID.fullmatch(name):
         raise ValueError(f"{name!r} is not a directory or a Hugging Face repo id (org/name)")
     try:  # only here: a local directory needs no huggingface_hub

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -20,7 +21,9 @@ import numpy as np
 from . import _core
 from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensors, expected_shapes,
                      mtp_tensors, normalize_names)
-from .formats import describe, requantized, stored_matrices, stored_view
+from .formats import (auto_weights, describe, int4_config, requantized, stored_matrices,
+                      stored_view)
+from .formats.gguf import is_gguf
 from .memory import check_fits, estimate_config
 from .model import Model
 from .safetensors_io import (INDEX_FILE, SINGLE_FILE, TensorReader, checkpoint_index,
@@ -28,7 +31,8 @@ from .safetensors_io import (INDEX_FILE, SINGLE_FILE, TensorReader, checkpoint_i
 
 log = logging.getLogger("sapwood.loading")
 
-WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+# "auto": the checkpoint decides (formats.auto_weights); the others name an engine mode
+WEIGHT_FORMATS = ("auto", "f32", "bf16", "q8", "q4")
 KV_FORMATS = ("int8", "f32")
 # Every backend sapwood knows, and what a user does to get one this install lacks.
 KNOWN_BACKENDS = {
@@ -118,7 +122,7 @@ class CheckpointTensors(Mapping):
 
     def read(self, name: str, r0: int, r1: int) -> np.ndarray:
         info = self.infos[name]
-        if hasattr(info, "rows"):  # a format's view (formats.py)
+        if hasattr(info, "rows"):  # a format's view (formats/)
             x = info.rows(self._reader, int(r0), int(r1))
         else:
             x = self._reader.rows(info, int(r0), int(r1))
@@ -128,9 +132,13 @@ class CheckpointTensors(Mapping):
             self.on_bytes((r1 - r0) * info.row_bytes)
         return x
 
+    as_stored = True  # False: the engine gets every matrix's float rows (no q4a kernel)
+
     @property
     def q4_affine_names(self) -> list:
-        """Matrices stored as affine 4-bit groups the engine runs as stored (formats.py)."""
+        """Matrices stored as affine 4-bit groups the engine runs as stored (formats/)."""
+        if not self.as_stored:
+            return []
         return [n for n, i in self.infos.items() if getattr(i, "q4_affine", False)]
 
     def read_q4_affine(self, name: str, r0: int, r1: int):
@@ -265,6 +273,7 @@ class Checkpoint:
     mtp_weights: CheckpointTensors | None = None
     stored_format: str | None = None  # formats.describe: a pre-quantized checkpoint's format
     stored_matrices: str | None = None  # formats.stored_matrices
+    auto_weights: str = "q8"  # formats.auto_weights: the mode weights="auto" loads in
 
 
 def read_config(d: Path) -> ModelConfig:
@@ -272,6 +281,10 @@ def read_config(d: Path) -> ModelConfig:
     if not d.is_dir():
         raise ValueError(f"{d}: not a directory (expected an HF checkpoint directory)")
     if not (d / "config.json").is_file():
+        ggufs = sorted(p.name for p in d.glob("*.gguf"))
+        if ggufs:  # a GGUF repository holds one file per quantization: the file is the model
+            raise ValueError(f"{d}: no config.json, but GGUF files: {_few(ggufs)}; load one of "
+                             "them (its path)")
         raise ValueError(f"{d}: no config.json")
     return ModelConfig.from_dict(_read_json(d / "config.json", "config.json"))
 
@@ -281,6 +294,8 @@ def read_checkpoint(path) -> Checkpoint:
     tensor's name, shape and dtype from the file headers, the tokenizer. Of the weights only the
     small A_log tensors are read (their range is checked); the rest stream into the engine."""
     d = Path(path)
+    if is_gguf(d):
+        return read_gguf_checkpoint(d)
     cfg = read_config(d)
     gen = {}
     if (d / "generation_config.json").is_file():
@@ -299,8 +314,10 @@ def read_checkpoint(path) -> Checkpoint:
     _check_values(cfg, weights)
     mtp = None
     # a head the config does not announce is ignored, as transformers does; mlx-lm's
-    # conversion drops the head and keeps the config's announcement
-    if cfg.mtp_layers and not ("quantization" in raw_config and not mtp_tensors(index)):
+    # conversion drops the head and keeps the config's announcement, and a GPTQ/AWQ quantizer
+    # may too (their MTP head, when kept, stays bf16)
+    dropped = not mtp_tensors(index) and ("quantization" in raw_config or int4_config(raw_config))
+    if cfg.mtp_layers and not dropped:
         infos = mtp_tensors(index)
         try:
             check_mtp_tensors(cfg, infos)
@@ -315,20 +332,56 @@ def read_checkpoint(path) -> Checkpoint:
         tf = d / "tokenizer.json"
         try:
             tokenizer = Tokenizer.from_file(str(tf))
-            vocab = tokenizer.get_vocab(with_added_tokens=True)
         except BaseException as e:  # its own Exception type, or a Rust panic (tokenizing.py)
             if not isinstance(e, Exception) and not tokenizing.is_panic(e):
                 raise
             raise ValueError(f"{tf}: cannot be loaded: {tokenizing.describe(e)}") from None
-        # ids past the embedding table would index out of bounds: their count, and the largest
-        # (an added token may have any id)
-        top = max(vocab.values(), default=-1)
-        if len(vocab) > cfg.vocab_size or top >= cfg.vocab_size:
-            raise ValueError(f"{tf}: {len(vocab)} tokens, the largest id {top}, more than the "
-                             f"model's vocab_size={cfg.vocab_size}")
-        tokenizing.check(tokenizer, tf)  # a tokenizer that panics on plain text: ValueError
+        _check_tokenizer(tokenizer, cfg, tf)
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config),
-                      stored_matrices(raw_config))
+                      stored_matrices(raw_config), auto_weights(raw_config))
+
+
+def _check_tokenizer(tokenizer, cfg: ModelConfig, where) -> None:
+    from . import tokenizing
+    try:
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    except BaseException as e:  # its own Exception type, or a Rust panic (tokenizing.py)
+        if not isinstance(e, Exception) and not tokenizing.is_panic(e):
+            raise
+        raise ValueError(f"{where}: cannot be loaded: {tokenizing.describe(e)}") from None
+    # ids past the embedding table would index out of bounds: their count, and the largest
+    # (an added token may have any id)
+    top = max(vocab.values(), default=-1)
+    if len(vocab) > cfg.vocab_size or top >= cfg.vocab_size:
+        raise ValueError(f"{where}: {len(vocab)} tokens, the largest id {top}, more than the "
+                         f"model's vocab_size={cfg.vocab_size}")
+    tokenizing.check(tokenizer, where)  # a tokenizer that panics on plain text: ValueError
+
+
+def read_gguf_checkpoint(path) -> Checkpoint:
+    """A GGUF file (formats/gguf.py) as read_checkpoint reads a directory: its metadata as the
+    config, every tensor checked by name and shape from the tensor table, the tokenizer it
+    holds; only the small A_log tensors are read."""
+    from .formats.gguf import read_gguf
+    p = Path(path)
+    g = read_gguf(p)
+    try:
+        cfg = ModelConfig.from_dict(g.config)
+        weights = CheckpointTensors(check_tensors(cfg, normalize_names(g.tensors)),
+                                    watch={head_name(cfg)})
+        mtp = None
+        if cfg.mtp_layers:
+            infos = mtp_tensors(g.tensors)
+            check_mtp_tensors(cfg, infos)
+            mtp = CheckpointTensors(infos)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None
+    _check_values(cfg, weights)
+    if g.tokenizer is not None:
+        _check_tokenizer(g.tokenizer, cfg, f"{p} (its tokenizer)")
+    gen = {} if g.eos is None else {"eos_token_id": g.eos}
+    return Checkpoint(p, cfg, weights, g.tokenizer, gen, g.chat_template, mtp, g.stored_format,
+                      None, "q8")
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -349,16 +402,21 @@ def default_target_path() -> Path:
     return _bundled("target")
 
 
-def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
+def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto", threads=None,
          max_context: int = 4096, policy_cache: bool = True, quiet: bool = False,
          check_memory: bool = True, revision: str | None = None, download: bool = False,
          verbose: bool = False) -> Model:
-    """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a hub id
+    """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a GGUF
+    file (llama.cpp's converter's `qwen35` files, any of their tensor types), a hub id
     ("Qwen/Qwen3.5-9B", from the local Hugging Face cache; `download=True` fetches it when the
     network allows; `revision` picks a branch, tag or commit), or "default": the bundled target
     with its draft model attached.
 
-    weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4".
+    weights: how the engine stores matrices: "f32", "bf16", "q8" or "q4"; "auto" (the default)
+    lets the checkpoint decide (formats.auto_weights): "q4" for an MLX 4-bit file whose groups
+    run as stored, "q8" for the rest (a float file; FP8, 8-bit, GPTQ/AWQ, GGUF: 4-bit matrices
+    the engine runs as stored stay so in q8 too). A mode that rounds a pre-quantized file's
+    values a second time says so with a warning (f32 never does: it widens them exactly).
     kv: "int8" (paged int8 KV cache, the default) or "f32".
     threads: engine worker threads; None lets the engine choose.
     max_context: the most tokens a sequence may hold (prompt + generated + tree).
@@ -388,11 +446,20 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
 
     # the checkpoint checked from its headers first (a config that the tensors contradict is
     # named as such), then its footprint, before any weight is read
-    ck = read_checkpoint(resolve_checkpoint(path, revision=revision, download=download))
-    again = requantized(ck.weights.infos, weights)
+    local = Path(os.path.expanduser(os.fspath(path)))
+    ck = read_checkpoint(local if is_gguf(local) else
+                         resolve_checkpoint(path, revision=revision, download=download))
+    asked, weights = weights, ck.auto_weights if weights == "auto" else weights
+    if asked == "auto" and backend != "cpu" and ck.weights.q4_affine_names:
+        # the GPU backends have no kernel for stored affine groups (a q4/q8 load that asks for
+        # them is refused by name): "auto" gives them the values, rounded into the mode
+        ck.weights.as_stored = False
+        ck.stored_matrices = None
+    again = requantized(ck.weights.infos, weights, ck.weights.as_stored)
     if again:  # no kernel runs them as stored: exact in f32, rounded again in q8/q4/bf16
+        how = " (what weights='auto' picks for this format)" if asked == "auto" else ""
         warnings.warn(f"{ck.path.name}: {again} {ck.stored_format} tensors are rounded again "
-                      f"for weights={weights!r} (weights='f32' keeps their values exactly)",
+                      f"for weights={weights!r}{how}; weights='f32' keeps their values exactly",
                       stacklevel=2)
     est = estimate_config(ck.config, weights=weights, kv=kv, max_context=max_context,
                           stored=ck.stored_matrices)
@@ -446,8 +513,10 @@ def _size(b: int) -> str:
 
 
 def weight_files(d: Path) -> list:
-    """The safetensors files a checkpoint's weights come from, as checkpoint_index read them
-    (already validated there): the single file, else the index's shards."""
+    """The files a checkpoint's weights come from, as checkpoint_index read them (already
+    validated there): a GGUF file itself, the single safetensors file, else the index's shards."""
+    if d.is_file():  # GGUF
+        return [d.name]
     if (d / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
     return sorted(set(_read_json(d / INDEX_FILE, INDEX_FILE)["weight_map"].values()))

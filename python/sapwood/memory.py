@@ -154,19 +154,29 @@ def estimate_config(cfg: ModelConfig, *, weights: str = "q8", kv: str = "int8",
     return e
 
 
-def estimate(path, *, weights: str = "q8", kv: str = "int8", max_context: int = 4096,
+def estimate(path, *, weights: str = "auto", kv: str = "int8", max_context: int = 4096,
              revision: str | None = None) -> MemoryEstimate:
     """The memory `sapwood.load(path, weights=, kv=, max_context=)` will take, per part, from
     the checkpoint's config.json alone (a directory or a cached hub id)."""
     from .hub import resolve_checkpoint
     from .loading import read_config
 
-    from .formats import stored_matrices
+    from .formats import auto_weights, stored_matrices
     from .loading import _read_json
 
+    from .formats.gguf import gguf_file_config, is_gguf
+    local = Path(os.path.expanduser(os.fspath(path)))
+    if is_gguf(local):  # one file: its metadata is the config; nothing runs as stored
+        from .config import ModelConfig
+        return estimate_config(ModelConfig.from_dict(gguf_file_config(local)),
+                               weights="q8" if weights == "auto" else weights, kv=kv,
+                               max_context=max_context)
     d = resolve_checkpoint(path, revision=revision)
+    raw = _read_json(d / "config.json", "config.json")
+    if weights == "auto":  # what load(weights="auto") picks
+        weights = auto_weights(raw)
     return estimate_config(read_config(d), weights=weights, kv=kv, max_context=max_context,
-                           stored=stored_matrices(_read_json(d / "config.json", "config.json")))
+                           stored=stored_matrices(raw))
 
 
 def _meminfo() -> dict:
