@@ -126,6 +126,13 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop before this text (repeatable) (default: none; the model's end "
                         "tokens stop it too)")
+    p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="constrain the output to this JSON schema (a file, or the schema's "
+                        "JSON text); identical in every verify mode")
+    p.add_argument("--regex", default=None, metavar="RE",
+                   help="constrain the output to match this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE|TEXT",
+                   help="constrain the output to this grammar (Lark, or llama.cpp's GBNF)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, finish_reason, stats) instead of "
                         "streaming the text")
@@ -142,6 +149,39 @@ def _generate_options(a) -> tuple[dict, dict]:
             dict(max_tokens=a.max_tokens, verify=a.verify, width=a.width, rows=a.rows))
 
 
+def _file_or_text(value: str, what: str) -> str:
+    """A file's text when `value` names an existing file, else `value` itself."""
+    import os
+    if value and not value.lstrip().startswith(("{", "[")) and os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{what} {value!r}: {e}") from None
+    return value
+
+
+def _constraint_options(a) -> dict:
+    """generate()'s json_schema= / regex= / grammar= from --json-schema, --regex, --grammar;
+    ValueError naming a schema that is neither a file nor JSON."""
+    import json
+    out = {}
+    if getattr(a, "json_schema", None) is not None:
+        text = _file_or_text(a.json_schema, "--json-schema")
+        try:
+            out["json_schema"] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {a.json_schema[:80]!r}: neither a file nor JSON "
+                             f"({e})") from None
+    if getattr(a, "regex", None) is not None:
+        out["regex"] = a.regex
+    if getattr(a, "grammar", None) is not None:
+        out["grammar"] = _file_or_text(a.grammar, "--grammar")
+    if len(out) > 1:
+        raise ValueError(f"give one of --json-schema, --regex, --grammar, got {sorted(out)}")
+    return out
+
+
 def check_generate(a) -> None:
     """The option values' errors, before a hub id is resolved or the model loads (minutes for
     a big one) and before any output; generate() checks the rest (drafter, stop strings)
@@ -151,6 +191,7 @@ def check_generate(a) -> None:
 
     sampling, decoding = _generate_options(a)
     DecodeConfig(params=SamplingParams(**sampling), **decoding).validate()
+    _constraint_options(a)
 
 
 def cmd_generate(a) -> int:
@@ -167,7 +208,7 @@ def cmd_generate(a) -> int:
                              backend=a.backend, max_context=a.max_context,
                              policy_cache=not a.no_policy_cache)
         stream = model.generate(prompt, stream=True, drafter=a.drafter, stop=a.stop, **sampling,
-                                **decoding)
+                                **decoding, **_constraint_options(a))
         shown = None  # the text written so far; holds back a partial UTF-8 sequence
         if not a.json:
             out.write(prompt)
