@@ -129,6 +129,7 @@ class Admitted:
     prompts: list
     max_tokens: list      # per prompt
     logprobs: int | None
+    constraint: object = None  # grammar.Constraint: structured output, or None
 
 
 def _context_error(st, what: str, param: str) -> ApiError:
@@ -182,6 +183,23 @@ def _check_values(st, req, limit) -> None:
         raise ApiError(400, msg, name, code="invalid_value") from None
 
 
+def compile_constraint(st, req):
+    """The request's structured output (response_format, guided_*) compiled for the served
+    model's tokenizer, or None; a schema, regex or grammar llguidance cannot use is a 400
+    naming the field and the problem."""
+    asked = req.constraint()
+    if asked is None:
+        return None
+    param, kw = asked
+    from ..grammar import compile_constraint as compile_
+    try:
+        return compile_(st.model, **kw)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param, code="invalid_value") from None
+    except RuntimeError as e:  # llguidance missing: the server's, not the client's
+        raise ApiError(500, f"{param}: {e}", param, type="server_error") from None
+
+
 def prepare(st, raw: bytes, chat: bool) -> Admitted:
     """Parse and check a request body and encode its prompts (on a worker thread). Cheap checks
     first: nothing is rendered or tokenized for a request refused anyway."""
@@ -204,6 +222,7 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                        code="too_many_choices")
     limit, logprobs = (req.limit(), req.logprob_count()) if chat else (req.max_tokens, req.logprobs)
     _check_values(st, req, limit)
+    constraint = compile_constraint(st, req)
     if limit is not None and limit >= st.max_context:  # no prompt leaves that much room
         raise ApiError(400, f"max_tokens is {limit}; this model's context holds "
                             f"{st.max_context} tokens, the prompt's included (at most "
@@ -246,4 +265,4 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                                 f"more (at most {room})", "max_tokens",
                            code="context_length_exceeded")
         budgets.append(max_tokens)
-    return Admitted(req, prompts, budgets, logprobs)
+    return Admitted(req, prompts, budgets, logprobs, constraint)

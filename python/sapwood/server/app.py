@@ -119,7 +119,8 @@ class _Call:
                 params = sampling_params(st, req, choice_seed(seed, j))
                 self.jobs.append(Job(i * req.n + j, list(ids), max_tokens, params, opts.verify,
                                      opts.width, opts.drafter, req.stops(), adm.logprobs,
-                                     self._emit, stream=req.stream))
+                                     self._emit, stream=req.stream,
+                                     constraint=adm.constraint))
         self.results: dict[int, ChoiceResult] = {}
         self.ended: set[int] = set()   # choices that reported (result, error or cancelled)
         self.error: BaseException | None = None

@@ -12,6 +12,7 @@ as the OpenAI API refuses them: a misspelt `temprature` must not pass unnoticed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any, ClassVar, List, Literal, Optional, Union
@@ -133,14 +134,40 @@ REFUSED_CHAT = {
     "tool_choice": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
     "functions": (lambda v: v == [], _TOOLS),
     "function_call": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        "only {'type': 'text'} is supported; structured output (json_object, "
-                        "json_schema) is not yet (issue 49)"),
     "modalities": (lambda v: v == ["text"], f"only ['text']: {_TEXT_ONLY}"),
     "audio": (lambda v: False, f"not supported: {_TEXT_ONLY}"),
     "web_search_options": (lambda v: False, "not supported: this server has no web search"),
     "moderation": (lambda v: False, "not supported: this server does not moderate requests"),
 }
+
+
+def _response_format(v):
+    """response_format as OpenAI defines it -> {"type": ...} checked: text, json_object, or
+    json_schema with {"name", "schema", "strict", "description"} (schema an object)."""
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError("must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                         "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    extra = set(v) - {"type", "json_schema"}
+    if extra:
+        raise ValueError(f"unknown key {sorted(extra)[0]!r}")
+    if v["type"] != "json_schema":
+        if "json_schema" in v:
+            raise ValueError(f"json_schema given with type {v['type']!r}")
+        return v
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise ValueError("type 'json_schema' needs json_schema: {'name': ..., 'schema': {...}}")
+    extra = set(js) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise ValueError(f"json_schema: unknown key {sorted(extra)[0]!r}")
+    if "name" in js and not (isinstance(js["name"], str)
+                             and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", js["name"])):
+        raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+    if not isinstance(js.get("schema", {}), dict):
+        raise ValueError("json_schema.schema must be a JSON object (a JSON Schema)")
+    if js.get("strict") not in (None, True, False):
+        raise ValueError("json_schema.strict must be a boolean")
+    return v
 
 
 def note_ignored(req, names) -> None:
@@ -187,6 +214,11 @@ class _Sampling(_Strict):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     sapwood: SapwoodOptions = Field(default_factory=SapwoodOptions)
+    # vLLM's structured-output extensions (grammar.py compiles them at admission)
+    guided_json: Optional[Union[StrictStr, dict]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_grammar: Optional[StrictStr] = None
+    guided_choice: Optional[List[StrictStr]] = Field(None, min_length=1)
     # ignored (IGNORED) and refused unless neutral (REFUSED): any type here, the validators
     # below decide
     logit_bias: Any = None
@@ -222,6 +254,34 @@ class _Sampling(_Strict):
 
     def stops(self) -> list:
         return list(self.stop or [])
+
+    def constraint(self) -> tuple | None:
+        """(param, grammar.compile_constraint's keyword arguments) of the structured output
+        asked for, or None; ApiError when more than one is set."""
+        asked = []
+        rf = getattr(self, "response_format", None)
+        if rf is not None and rf["type"] != "text":
+            if rf["type"] == "json_object":
+                asked.append(("response_format", dict(json_object=True)))
+            else:
+                schema = rf["json_schema"].get("schema")
+                asked.append(("response_format.json_schema.schema",
+                              dict(json_schema=schema) if schema is not None
+                              else dict(json_object=True)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", dict(json_schema=self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", dict(regex=self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", dict(grammar=self.guided_grammar)))
+        if self.guided_choice is not None:
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.guided_choice)
+            asked.append(("guided_choice", dict(grammar=f"start: {alts}")))
+        if len(asked) > 1:
+            raise ApiError(400, f"{asked[0][0].split('.')[0]} and {asked[1][0].split('.')[0]} "
+                                "both constrain the output: give one", asked[1][0].split(".")[0],
+                           code="invalid_value")
+        return asked[0] if asked else None
 
 
 def _prompt(v):
@@ -339,6 +399,11 @@ class ChatRequest(_Sampling):
             raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                                 f"({self.max_completion_tokens}) disagree", "max_completion_tokens")
         return self.max_completion_tokens or self.max_tokens
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        return _response_format(v)
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
