@@ -319,7 +319,8 @@ def cmd_serve(a) -> int:
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
                       batch_verify=a.batch_verify, max_body_mb=a.max_body_mb,
-                      api_key=a.api_key, cors_origins=a.cors_origin or ())
+                      api_key=a.api_key, cors_origins=a.cors_origin or (),
+                      reasoning_parser=a.reasoning_parser)
     if a.host not in ("127.0.0.1", "localhost", "::1") and not st.api_key:
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication (--api-key or SAPWOOD_API_KEY sets a key)", file=sys.stderr)
@@ -351,6 +352,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "request with more choices than the queue and the slots hold: 400)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="the largest request body accepted, in MiB; a larger one gets 413")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="split <think>...</think> into reasoning_content: qwen3 always, none "
+                        "never, auto when the chat template writes thinking (Qwen3.5's does)")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: 'default' or the directory name)")
     p.add_argument("--api-key", default=None,

@@ -135,28 +135,28 @@ def compile_constraint(model, **constraint) -> Constraint:
     return Constraint(kind, source, tok, _model_vocab(model), stop_ids_of(model))
 
 
-class Matcher:
-    """One request's grammar state: the committed tokens consumed (advance), masks for the
-    next pick (mask) and for every node of a tree (tree_masks)."""
+class PathMatcher:
+    """One request's constraint state over the committed tokens (advance): masks for the next
+    pick (mask) and for every node of a tree (tree_masks). Subclasses give the steps: consume
+    a token (False: forbidden), roll one back, fill a mask row for the current state."""
 
-    def __init__(self, c: Constraint):
-        self.c = c
-        self.words = (c.vocab + 31) // 32
-        self._m = _llguidance().LLMatcher(c.tokenizer, c.grammar)
-        self._stops = frozenset(c.stop_ids)
-        self.finished = False  # a stop id was committed: nothing more is decoded
-        self._check()
+    words: int
+    _stops: frozenset
 
-    def _check(self):
-        if self._m.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._m.get_error()[:500]}")
+    def _consume(self, tok: int) -> bool:
+        raise NotImplementedError
+
+    def _rollback(self) -> None:
+        raise NotImplementedError
 
     def _fill(self, row: np.ndarray) -> None:
-        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        self._check()
+        raise NotImplementedError
+
+    def _why(self) -> str:
+        return ""
 
     def mask(self) -> np.ndarray:
-        """int32 [1, words]: the tokens the grammar allows next."""
+        """int32 [1, words]: the tokens allowed next."""
         out = np.zeros((1, self.words), np.int32)
         self._fill(out[0])
         return out
@@ -169,16 +169,16 @@ class Matcher:
             if int(t) in self._stops:
                 self.finished = True
                 return
-            if not self._m.consume_token(int(t)):
-                raise RuntimeError(f"grammar matcher refused committed token {int(t)}: "
-                                   f"{self._m.get_error()[:300]}")
+            if not self._consume(int(t)):
+                raise RuntimeError(f"constraint refused committed token {int(t)}: "
+                                   f"{self._why()}")
 
     def tree_masks(self, tree, prune: bool):
         """(tree, masks int32 [w, words]) for a round's tree whose root is the next pick (not
-        consumed yet): row i is the grammar state after the path to node i. With prune,
-        nodes the grammar forbids (and their subtrees) are left out of the returned tree;
-        without (the tree's logits already computed), they stay with rows allowing
-        everything (never reached: their parent cannot pick them)."""
+        consumed yet): row i is the state after the path to node i. With prune, nodes the
+        constraint forbids (and their subtrees) are left out of the returned tree; without
+        (the tree's logits already computed), they stay with rows allowing everything (never
+        reached: their parent cannot pick them)."""
         w = tree.width
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         masks = np.full((w, self.words), -1, np.int32)
@@ -187,22 +187,22 @@ class Matcher:
         kids: list = [[] for _ in range(w)]
         for i in range(1, w):
             kids[par[i]].append(i)
-        m, stops = self._m, self._stops
+        stops = self._stops
 
         def visit(node):
             ok[node] = True
             tok = toks[node]
             if tok in stops:  # its pick is never emitted; what follows it neither
                 return
-            if not m.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused token {tok} at tree node {node}: "
-                                   f"{m.get_error()[:300]}")
+            if not self._consume(tok):
+                raise RuntimeError(f"constraint refused token {tok} at tree node {node}: "
+                                   f"{self._why()}")
             self._fill(masks[node])
             for k in kids[node]:
                 t = toks[k]
                 if (bits[node, t >> 5] >> np.uint32(t & 31)) & 1:
                     visit(k)
-            m.rollback(1)
+            self._rollback()
 
         visit(0)
         if not prune or ok.all():
@@ -215,3 +215,105 @@ class Matcher:
         pruned = Tree(tree.tokens[keep], parents, tree.depth[keep], tree.rank[keep],
                       tree.logp[keep], tree.q[keep])
         return pruned, masks[keep]
+
+
+class Matcher(PathMatcher):
+    """A grammar's state (llguidance's matcher): consume and roll back one token at a time."""
+
+    def __init__(self, c: Constraint):
+        self.c = c
+        self.words = (c.vocab + 31) // 32
+        self._m = _llguidance().LLMatcher(c.tokenizer, c.grammar)
+        self._stops = frozenset(c.stop_ids)
+        self.finished = False  # a stop id was committed: nothing more is decoded
+        self._check()
+
+    def _check(self):
+        if self._m.is_error():
+            raise RuntimeError(f"grammar matcher failed: {self._why()}")
+
+    def _why(self) -> str:
+        return self._m.get_error()[:500]
+
+    def _consume(self, tok: int) -> bool:
+        return self._m.consume_token(tok)
+
+    def _rollback(self) -> None:
+        self._m.rollback(1)
+
+    def _fill(self, row: np.ndarray) -> None:
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._check()
+
+
+def _all_of(row: np.ndarray, vocab: int) -> None:
+    """Allow every id below vocab (the bits past it stay clear)."""
+    row[:] = -1
+    if vocab % 32:
+        row.view(np.uint32)[-1] = np.uint32((1 << (vocab % 32)) - 1)
+
+
+@dataclass(frozen=True)
+class ThinkingConstraint:
+    """A chat whose prompt opened a thinking block: free reasoning until `end_id` (Qwen3.5's
+    `</think>`), at most `budget` reasoning tokens (then the end is the only token allowed:
+    the budget is a mask, so exact in every mode), then `inner` (the response's constraint,
+    which applies to the answer only, as vLLM's reasoning-aware structured output does), or
+    anything."""
+    end_id: int
+    budget: int | None
+    inner: Constraint | None
+    vocab: int
+    stop_ids: tuple
+
+    def matcher(self) -> "ThinkingMatcher":
+        return ThinkingMatcher(self)
+
+
+class ThinkingMatcher(PathMatcher):
+    def __init__(self, c: ThinkingConstraint):
+        self.c = c
+        self.words = (c.vocab + 31) // 32
+        self.inner = c.inner.matcher() if c.inner is not None else None
+        self._stops = frozenset(c.stop_ids)
+        self.finished = False
+        self._states = [(True, 0)]  # (thinking, reasoning tokens so far) after each token
+        self._inner_steps = []      # per consumed token: did the inner matcher take it?
+
+    def _consume(self, tok: int) -> bool:
+        thinking, n = self._states[-1]
+        if thinking:
+            if tok == self.c.end_id:
+                self._states.append((False, n))
+            elif self.c.budget is not None and n >= self.c.budget:
+                return False
+            else:
+                self._states.append((True, n + 1))
+            self._inner_steps.append(False)
+            return True
+        if self.inner is not None and not self.inner._consume(tok):
+            return False
+        self._states.append((False, n))
+        self._inner_steps.append(self.inner is not None)
+        return True
+
+    def _rollback(self) -> None:
+        self._states.pop()
+        if self._inner_steps.pop():
+            self.inner._rollback()
+
+    def _fill(self, row: np.ndarray) -> None:
+        thinking, n = self._states[-1]
+        if thinking and self.c.budget is not None and n >= self.c.budget:
+            row[:] = 0
+            row.view(np.uint32)[self.c.end_id >> 5] = np.uint32(1 << (self.c.end_id & 31))
+        elif thinking or self.inner is None:
+            _all_of(row, self.c.vocab)
+        else:
+            self.inner._fill(row)
+
+    def _why(self) -> str:
+        thinking, n = self._states[-1]
+        if thinking:
+            return f"the thinking budget ({self.c.budget} tokens) is spent"
+        return self.inner._why() if self.inner is not None else ""

@@ -27,6 +27,7 @@ from ..generate import DecodeConfig
 from ..sampling import SamplingParams
 from .protocol import (IGNORED, IGNORED_CHAT, ApiError, ChatRequest, CompletionRequest,
                        note_ignored, validation_error)
+from .reasoning import THINK_CLOSE, prompt_opens_thinking
 
 DEFAULT_MAX_BODY_MB = 16.0
 # The deepest JSON a valid request has is 5 levels (messages, a message, its content parts, a
@@ -130,6 +131,7 @@ class Admitted:
     max_tokens: list      # per prompt
     logprobs: int | None
     constraint: object = None  # grammar.Constraint: structured output, or None
+    thinking: bool = False     # the prompt opened a thinking block (reasoning.py)
 
 
 def _context_error(st, what: str, param: str) -> ApiError:
@@ -200,6 +202,29 @@ def compile_constraint(st, req):
         raise ApiError(500, f"{param}: {e}", param, type="server_error") from None
 
 
+def thinking_constraint(st, req, thinking: bool, constraint):
+    """A chat whose prompt opened Qwen3.5's <think>: the response's constraint applies after
+    </think> only, and thinking_budget caps the reasoning tokens (grammar.ThinkingConstraint).
+    Unchanged otherwise; thinking_budget without a thinking block is a 400."""
+    if not thinking:
+        if req.thinking_budget is not None:
+            raise ApiError(400, "thinking_budget: the prompt opens no thinking block (thinking "
+                                "is off: chat_template_kwargs.enable_thinking, or the template "
+                                "has none)", "thinking_budget")
+        return constraint
+    end = st.model.tokenizer.token_to_id(THINK_CLOSE)
+    if end is None:  # a template with <think> over a tokenizer without the token
+        if req.thinking_budget is not None:
+            raise ApiError(400, f"thinking_budget: the tokenizer has no {THINK_CLOSE} token",
+                           "thinking_budget")
+        return constraint
+    if constraint is None and req.thinking_budget is None:
+        return None
+    from ..grammar import ThinkingConstraint, stop_ids_of
+    return ThinkingConstraint(int(end), req.thinking_budget, constraint,
+                              int(st.model.config.vocab_size), stop_ids_of(st.model))
+
+
 def prepare(st, raw: bytes, chat: bool) -> Admitted:
     """Parse and check a request body and encode its prompts (on a worker thread). Cheap checks
     first: nothing is rendered or tokenized for a request refused anyway."""
@@ -229,14 +254,18 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                             f"{st.max_context - 1})", "max_tokens", code="context_length_exceeded")
     param = "messages" if chat else "prompt"
     vocab = st.model.config.vocab_size
+    thinking = False
     if chat:
         try:
-            text = st.model.apply_chat_template([m.as_template_dict() for m in req.messages])
+            text = st.model.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                                **(req.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - the template's errors (raise_exception...)
             raise ApiError(400, f"the chat template refused these messages: {e}",
                            "messages") from None
         check_prompt_chars(st, text, param)
         prompts = [encode(st, text)]
+        thinking = st.reasoning and prompt_opens_thinking(text)
+        constraint = thinking_constraint(st, req, thinking, constraint)
     else:
         for p in req.prompt:  # every prompt's length before any is tokenized or scanned
             if isinstance(p, str):
@@ -265,4 +294,4 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                                 f"more (at most {room})", "max_tokens",
                            code="context_length_exceeded")
         budgets.append(max_tokens)
-    return Admitted(req, prompts, budgets, logprobs, constraint)
+    return Admitted(req, prompts, budgets, logprobs, constraint, thinking)

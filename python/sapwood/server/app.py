@@ -24,6 +24,7 @@ from .access import add_access, check_api_key, check_origins
 from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
+from .reasoning import PARSERS, Splitter, split, template_thinks
 from .slots import ChoiceError, ChoiceResult, Delta, Job, QueueFull, TooManyChoices
 from .text import chars_per_token_bound
 
@@ -45,7 +46,7 @@ class ServerState:
 
     def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
                  max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20),
-                 api_key: str | None = None, cors_origins=()):
+                 api_key: str | None = None, cors_origins=(), reasoning_parser: str = "auto"):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
         # access.py: None serves everyone; origins () turns CORS off
         self.api_key = None if api_key is None else check_api_key(api_key)
@@ -60,6 +61,11 @@ class ServerState:
         self.executor = ThreadPoolExecutor(thread_name_prefix="sapwood-admit")
         self.metrics = Metrics(scheduler, cache)
         self.created = int(time.time())
+        if reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser={reasoning_parser!r}: must be one of {PARSERS}")
+        # reasoning.py: split Qwen3.5's <think> blocks into reasoning_content
+        self.reasoning = reasoning_parser == "qwen3" or (
+            reasoning_parser == "auto" and template_thinks(self.model.chat_template))
         gen = self.model.generation_config
         # as vLLM: the checkpoint's generation_config gives the defaults of unset fields
         sampled = bool(gen.get("do_sample", False))
@@ -121,6 +127,10 @@ class _Call:
                                      opts.width, opts.drafter, req.stops(), adm.logprobs,
                                      self._emit, stream=req.stream,
                                      constraint=adm.constraint))
+        # reasoning.py: a chat's <think> block goes to reasoning_content, split per choice
+        self.split = chat and st.reasoning
+        self.thinking = adm.thinking
+        self.splitters: dict[int, Splitter] = {}
         self.results: dict[int, ChoiceResult] = {}
         self.ended: set[int] = set()   # choices that reported (result, error or cancelled)
         self.error: BaseException | None = None
@@ -216,19 +226,34 @@ class _Call:
             r = self.results[i]
             lp = self.logprobs_obj(r.tokens, r.logprobs, r.ends) if self.want_logprobs() else None
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
-                                "logprobs": lp, "finish_reason": r.finish_reason})
+                msg = {"role": "assistant", "content": r.text}
+                if self.split:
+                    msg["reasoning_content"], msg["content"] = split(r.text, self.thinking)
+                choices.append({"index": i, "message": msg, "logprobs": lp,
+                                "finish_reason": r.finish_reason})
             else:
                 choices.append({"index": i, "text": r.text, "logprobs": lp,
                                 "finish_reason": r.finish_reason})
         return {**self.head("chat.completion" if self.chat else "text_completion"),
                 "choices": choices, "usage": self.usage(), "sapwood": self.extension()}
 
-    def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool) -> dict:
+    def split_delta(self, index: int, text: str | None, end: bool = False) -> tuple:
+        """(reasoning, content) of a streamed piece of choice `index` (None: none of it);
+        end: the choice is done, flush what a possible tag held back."""
+        if not self.split:
+            return None, text
+        sp = self.splitters.setdefault(index, Splitter(self.thinking))
+        r, c = sp.finish() if end else sp.push(text or "")
+        return r or None, c or None
+
+    def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool,
+              reasoning: str | None = None) -> dict:
         if self.chat:
             delta = {}
             if first:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -376,10 +401,18 @@ def create_app(st: ServerState) -> FastAPI:
                     d: Delta = payload
                     lp = (call.logprobs_obj(d.tokens, d.logprobs, d.ends, d.start)
                           if call.want_logprobs() and d.tokens else None)
-                    yield _sse(call.chunk(d.index, d.text, lp, None, d.index not in started))
-                    started.add(d.index)
+                    reasoning, text = call.split_delta(d.index, d.text)
+                    if reasoning or text is not None or lp is not None:
+                        yield _sse(call.chunk(d.index, text, lp, None, d.index not in started,
+                                              reasoning))
+                        started.add(d.index)
                 elif kind == "done":
                     r: ChoiceResult = payload
+                    reasoning, text = call.split_delta(r.index, None, end=True)
+                    if reasoning or text:
+                        yield _sse(call.chunk(r.index, text, None, None, r.index not in started,
+                                              reasoning))
+                        started.add(r.index)
                     yield _sse(call.chunk(r.index, None if call.chat else "", None,
                                           r.finish_reason, r.index not in started))
                     started.add(r.index)

@@ -392,6 +392,18 @@ class ChatRequest(_Sampling):
     prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    # vLLM's: extra variables for the chat template (Qwen3.5: enable_thinking)
+    chat_template_kwargs: Optional[dict] = None
+    # the most reasoning tokens (Qwen3.5's thinking); then </think> is the only token allowed
+    thinking_budget: Optional[StrictInt] = Field(None, ge=0)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        taken = {"messages", "add_generation_prompt", "tools"} & set(v)
+        if taken:
+            raise ValueError(f"{sorted(taken)[0]!r} is set by the request itself, not here")
+        return v
 
     def limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
