@@ -210,12 +210,15 @@ def test_null_is_a_fields_default(live, chat):
 
 
 REFUSED = [  # (chat, field, value, param, text the message must show)
-    (True, "tools", [{"type": "function", "function": {"name": "f"}}], "tools", "tool calling"),
-    (True, "tool_choice", "required", "tool_choice", "'none' or 'auto'"),
+    # tools are honoured (tests/test_server_tools.py); malformed ones and the legacy API not
+    (True, "tools", [{"type": "function", "function": {"name": "bad name"}}], "tools",
+     "name must be"),
+    (True, "tool_choice", "required", "tool_choice", "needs tools"),
     (True, "tool_choice", {"type": "function", "function": {"name": "f"}}, "tool_choice",
-     "tool calling"),
-    (True, "functions", [{"name": "f"}], "functions", "tool calling"),
-    (True, "function_call", {"name": "f"}, "function_call", "tool calling"),
+     "needs tools"),
+    (True, "tool_choice", "sometimes", "tool_choice", "'required'"),
+    (True, "functions", [{"name": "f"}], "functions", "legacy functions API"),
+    (True, "function_call", {"name": "f"}, "function_call", "legacy functions API"),
     # structured output is honoured (tests/test_server_structured.py); a malformed one is not
     (True, "response_format", {"type": "yaml"}, "response_format", "json_object"),
     (True, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "s": 1}},
@@ -225,11 +228,11 @@ REFUSED = [  # (chat, field, value, param, text the message must show)
     (True, "web_search_options", {}, "web_search_options", "web search"),
     (True, "moderation", {"model": "m"}, "moderation", "moderate"),
     (True, "logit_bias", {"5": -100}, "logit_bias", "bias changes the distribution"),
-    (True, "messages", [{"role": "tool", "content": "42", "tool_call_id": "c1"}],
-     "messages.0.role", "tool calling"),
+    (True, "messages", [{"role": "function", "content": "42", "name": "f"}],
+     "messages.0.role", "legacy functions API"),
     (True, "messages", [{"role": "assistant", "content": "x",
                          "tool_calls": [{"id": "c1", "type": "function"}]}],
-     "messages.0.tool_calls", "tool calling"),
+     "messages.0.tool_calls", "needs function"),
     (True, "messages", [{"role": "user", "content": [{"type": "image_url",
                                                       "image_url": {"url": "x"}}]}],
      "messages.0.content", "only 'text' parts"),

@@ -132,6 +132,7 @@ class Admitted:
     logprobs: int | None
     constraint: object = None  # grammar.Constraint: structured output, or None
     thinking: bool = False     # the prompt opened a thinking block (reasoning.py)
+    tools: list | None = None  # the tools whose calls the output is parsed for (tools.py)
 
 
 def _context_error(st, what: str, param: str) -> ApiError:
@@ -202,6 +203,18 @@ def compile_constraint(st, req):
         raise ApiError(500, f"{param}: {e}", param, type="server_error") from None
 
 
+def tool_constraint(st, tools, names, parallel):
+    """tool_choice required (names None) or named: the grammar of Qwen3.5's tool-call blocks
+    (tools.call_grammar), compiled for the served model."""
+    from ..grammar import compile_constraint as compile_
+    from .tools import TOOL_OPEN, call_grammar
+    special = st.model.tokenizer.token_to_id(TOOL_OPEN) is not None
+    try:
+        return compile_(st.model, grammar=call_grammar(tools, names, parallel, special))
+    except ValueError as e:  # a parameter schema llguidance cannot use
+        raise ApiError(400, f"tools: {e}", "tools", code="invalid_value") from None
+
+
 def thinking_constraint(st, req, thinking: bool, constraint):
     """A chat whose prompt opened Qwen3.5's <think>: the response's constraint applies after
     </think> only, and thinking_budget caps the reasoning tokens (grammar.ThinkingConstraint).
@@ -254,11 +267,20 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                             f"{st.max_context - 1})", "max_tokens", code="context_length_exceeded")
     param = "messages" if chat else "prompt"
     vocab = st.model.config.vocab_size
-    thinking = False
+    thinking, tools = False, None
     if chat:
+        tools, names, parallel = req.tool_mode()
+        if names != []:  # required or named: a grammar of tool-call blocks
+            if constraint is not None:
+                raise ApiError(400, "tool_choice and a structured output both constrain the "
+                                    "output: give one", "tool_choice")
+            constraint = tool_constraint(st, tools, names, parallel)
+        kw = dict(req.chat_template_kwargs or {})
+        if tools:
+            kw["tools"] = tools
         try:
             text = st.model.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                                **(req.chat_template_kwargs or {}))
+                                                **kw)
         except Exception as e:  # noqa: BLE001 - the template's errors (raise_exception...)
             raise ApiError(400, f"the chat template refused these messages: {e}",
                            "messages") from None
@@ -294,4 +316,4 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                                 f"more (at most {room})", "max_tokens",
                            code="context_length_exceeded")
         budgets.append(max_tokens)
-    return Admitted(req, prompts, budgets, logprobs, constraint, thinking)
+    return Admitted(req, prompts, budgets, logprobs, constraint, thinking, tools)

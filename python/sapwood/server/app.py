@@ -24,6 +24,7 @@ from .access import add_access, check_api_key, check_origins
 from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
+from . import tools as tools_
 from .reasoning import PARSERS, Splitter, split, template_thinks
 from .slots import ChoiceError, ChoiceResult, Delta, Job, QueueFull, TooManyChoices
 from .text import chars_per_token_bound
@@ -131,6 +132,8 @@ class _Call:
         self.split = chat and st.reasoning
         self.thinking = adm.thinking
         self.splitters: dict[int, Splitter] = {}
+        self.tools = adm.tools  # tools.py: the output's tool-call blocks become tool_calls
+        self.tool_streams: dict[int, tools_.Stream] = {}
         self.results: dict[int, ChoiceResult] = {}
         self.ended: set[int] = set()   # choices that reported (result, error or cancelled)
         self.error: BaseException | None = None
@@ -229,8 +232,14 @@ class _Call:
                 msg = {"role": "assistant", "content": r.text}
                 if self.split:
                     msg["reasoning_content"], msg["content"] = split(r.text, self.thinking)
+                finish = r.finish_reason
+                if self.tools:
+                    content, calls = tools_.parse(msg["content"], self.tools)
+                    if calls:
+                        msg["content"], msg["tool_calls"] = content or None, calls
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": i, "message": msg, "logprobs": lp,
-                                "finish_reason": r.finish_reason})
+                                "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": r.text, "logprobs": lp,
                                 "finish_reason": r.finish_reason})
@@ -240,11 +249,23 @@ class _Call:
     def split_delta(self, index: int, text: str | None, end: bool = False) -> tuple:
         """(reasoning, content) of a streamed piece of choice `index` (None: none of it);
         end: the choice is done, flush what a possible tag held back."""
-        if not self.split:
-            return None, text
-        sp = self.splitters.setdefault(index, Splitter(self.thinking))
-        r, c = sp.finish() if end else sp.push(text or "")
+        r, c = None, text
+        if self.split:
+            sp = self.splitters.setdefault(index, Splitter(self.thinking))
+            r, c = sp.finish() if end else sp.push(text or "")
+        if self.tools:  # content up to a possible call; the calls come with the end
+            ts = self.tool_streams.setdefault(index, tools_.Stream(self.tools))
+            c = ts.push(c or "")
+            if end:
+                rest, calls = ts.finish()
+                c += rest
+                ts.calls = calls
         return r or None, c or None
+
+    def tool_calls_delta(self, index: int) -> list:
+        """The calls of a streamed choice that ended, as delta.tool_calls entries."""
+        ts = self.tool_streams.get(index)
+        return [{"index": k, **c} for k, c in enumerate(getattr(ts, "calls", None) or [])]
 
     def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool,
               reasoning: str | None = None) -> dict:
@@ -413,8 +434,16 @@ def create_app(st: ServerState) -> FastAPI:
                         yield _sse(call.chunk(r.index, text, None, None, r.index not in started,
                                               reasoning))
                         started.add(r.index)
+                    finish = r.finish_reason
+                    calls = call.tool_calls_delta(r.index) if call.chat else []
+                    if calls:
+                        c = call.chunk(r.index, None, None, None, r.index not in started)
+                        c["choices"][0]["delta"]["tool_calls"] = calls
+                        yield _sse(c)
+                        started.add(r.index)
+                        finish = "tool_calls" if finish == "stop" else finish
                     yield _sse(call.chunk(r.index, None if call.chat else "", None,
-                                          r.finish_reason, r.index not in started))
+                                          finish, r.index not in started))
                     started.add(r.index)
             else:
                 opts = call.req.stream_options

@@ -96,18 +96,18 @@ log = logging.getLogger("sapwood.server")
 
 # Fields of the OpenAI API that cannot change what sapwood outputs: accepted with any value and
 # ignored (each logged once per process, so an operator learns what clients send). Storage,
-# billing and caching bookkeeping; `parallel_tool_calls` (no tools run here);
+# billing and caching bookkeeping;
 # `prediction`, a latency hint whose output is the model's own either way; `reasoning_effort`
 # and `verbosity`, hints without a defined effect on an open model (vLLM and llama.cpp
 # ignore them too: the chat template decides).
 IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options")
-IGNORED_CHAT = IGNORED + ("parallel_tool_calls", "prediction", "reasoning_effort", "verbosity")
+IGNORED_CHAT = IGNORED + ("prediction", "reasoning_effort", "verbosity")
 _logged: set = set()
 
 
 # the reasons of refusals: each reads after the field's name, "tools: <why> (got ...)"
-_TOOLS = "tool calling is not supported by this server yet (issue 49)"
+_TOOLS = "the legacy functions API is not supported: use tools and tool_choice"
 _TEXT_ONLY = "this server reads and writes text only"
 
 
@@ -130,8 +130,6 @@ REFUSED_COMPLETION = {
 }
 REFUSED_CHAT = {
     **REFUSED,
-    "tools": (lambda v: v == [], _TOOLS),
-    "tool_choice": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
     "functions": (lambda v: v == [], _TOOLS),
     "function_call": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
     "modalities": (lambda v: v == ["text"], f"only ['text']: {_TEXT_ONLY}"),
@@ -326,7 +324,8 @@ class ContentPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Union[StrictStr, List[ContentPart]]
+    # null only in an assistant turn that made tool calls (checked in _content_needed)
+    content: Optional[Union[StrictStr, List[ContentPart]]] = None
     name: Optional[StrictStr] = None
     # an assistant turn as the API returns it, sent back: its refusal text and annotations
     # (web search citations) are ignored, nothing in a chat template renders them; tool calls
@@ -336,7 +335,7 @@ class Message(_Strict):
     tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
-    tool_call_id: Any = None  # declared: a tool message is refused for its role, not as unknown
+    tool_call_id: Optional[StrictStr] = None  # a tool result's call (the template may show it)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -353,24 +352,100 @@ class Message(_Strict):
     @field_validator("role")
     @classmethod
     def _role(cls, v):
-        if v in ("tool", "function"):
-            raise ValueError(f"a tool's result needs tool calling: {_TOOLS}")
+        if v == "function":
+            raise ValueError(f"a 'function' message: {_TOOLS} ('tool' messages)")
         return v
 
-    @field_validator("tool_calls", "function_call", "audio", "tool_call_id")
+    @field_validator("function_call", "audio")
     @classmethod
     def _unsupported(cls, v, info: ValidationInfo):
-        if info.field_name == "tool_calls" and v == []:
-            return v
         raise ValueError(f"not supported: {_TEXT_ONLY}" if info.field_name == "audio" else _TOOLS)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v):
+        """An assistant turn's calls as the API returns them: their arguments (JSON text)
+        become the object Qwen3.5's template iterates over."""
+        if not isinstance(v, list):
+            raise ValueError("must be a list of {'id', 'type': 'function', 'function': "
+                             "{'name', 'arguments'}}")
+        out = []
+        for i, c in enumerate(v):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"call {i} needs function: {{'name', 'arguments'}}")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError as e:
+                raise ValueError(f"call {i}: arguments are not JSON ({e})") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"call {i}: arguments must be a JSON object")
+            out.append({"id": c.get("id"), "type": "function",
+                        "function": {"name": fn["name"], "arguments": args}})
+        return out
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant turn with "
+                             "tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant turn has tool_calls")
+        return self
+
     def as_template_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        c = self.content
+        text = c if isinstance(c, str) or c is None else "".join(p.text for p in c)
         # "developer" is the newer name of "system"; chat templates know the older one
-        d = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _tools(v):
+    """tools: [{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}], names unique."""
+    if not isinstance(v, list):
+        raise ValueError("must be a list of {'type': 'function', 'function': {...}}")
+    seen = set()
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name', "
+                             "'parameters', ...}}}")
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra or set(t) - {"type", "function"}:
+            raise ValueError(f"tool {i}: unknown key {sorted(extra or set(t) - {'type', 'function'})[0]!r}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ValueError(f"tool {i}: name must be 1-64 letters, digits, '_', '.' or '-', "
+                             f"got {name!r}")
+        if name in seen:
+            raise ValueError(f"tool {i}: name {name!r} given twice")
+        seen.add(name)
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ValueError(f"tool {i} ({name}): parameters must be a JSON Schema of type "
+                             "'object'")
+        if not isinstance(params.get("properties", {}), dict):
+            raise ValueError(f"tool {i} ({name}): parameters.properties must be an object")
+    return v
+
+
+def _tool_choice(v):
+    if v in ("none", "auto", "required"):
+        return v
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', "
+                         "'function': {'name': ...}}")
+    return v
 
 
 class ChatRequest(_Sampling):
@@ -396,6 +471,44 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: Optional[dict] = None
     # the most reasoning tokens (Qwen3.5's thinking); then </think> is the only token allowed
     thinking_budget: Optional[StrictInt] = Field(None, ge=0)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_ok(cls, v):
+        return _tools(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_ok(cls, v):
+        return _tool_choice(v)
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel_ok(cls, v):
+        if not isinstance(v, bool):
+            raise ValueError("must be a boolean")
+        return v
+
+    def tool_mode(self) -> tuple:
+        """(tools the template shows or None, the names a call must use: None any, [] no call
+        enforced, parallel). tool_choice none shows no tools; required enforces any tool;
+        a named one only it; auto lets the model choose."""
+        tools = self.tools or None
+        choice = self.tool_choice or ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        if choice == "none":
+            return None, [], parallel
+        if choice == "auto":
+            return tools, [], parallel
+        if choice == "required":
+            return tools, None, parallel
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools",
+                           "tool_choice")
+        return tools, [name], parallel
 
     @field_validator("chat_template_kwargs")
     @classmethod
