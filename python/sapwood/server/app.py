@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a Scheduler of slots (FastAPI on uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming with SSE),
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streaming
+with SSE; responses.py translates a Responses request into the chat request it means),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. A request's choices run as jobs
 on slots; their events come back from the slots' worker threads through the event loop. Every
 error, the framework's own included (an unknown route, a wrong method), is an OpenAI error
@@ -21,7 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .access import add_access, check_api_key, check_origins
-from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
+from . import responses
+from .admit import (DEFAULT_MAX_BODY_MB, Admitted, parse_body, prepare, read_body,
+                    sampling_params)
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
 from . import tools as tools_
@@ -363,27 +366,46 @@ def create_app(st: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, chat=True)
 
-    async def _serve(request: Request, chat: bool):
-        endpoint = "chat" if chat else "completions"
+    @app.post("/v1/responses")
+    async def responses_(request: Request):
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            raw = await read_body(request, st.max_body_bytes)
-            adm = await asyncio.get_running_loop().run_in_executor(st.executor, prepare, st, raw,
-                                                                   chat)
-            call = _Call(st, chat, adm)
+            body = parse_body(await read_body(request, st.max_body_bytes))
+            chat = json.dumps(responses.to_chat(body)).encode()
             try:
-                st.scheduler.submit(call.jobs)
-            except TooManyChoices as e:  # prepare checked it; the scheduler has the last word
-                raise ApiError(400, str(e), "n", code="too_many_choices") from None
-            except QueueFull as e:
-                raise ApiError(503, f"the server is busy: {e}", type="server_error",
-                               code="queue_full") from None
+                adm = await loop.run_in_executor(st.executor, prepare, st, chat, True)
+            except ApiError as e:
+                raise responses.renamed(e) from None
+            call = _submit(_Call(st, True, adm))
         except ApiError as e:
-            m.requests.labels(endpoint, str(e.status)).inc()
+            m.requests.labels("responses", str(e.status)).inc()
             return e.response()
+        ids, created = responses.Ids(), time.time()
         if call.req.stream:
-            return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
+            return StreamingResponse(responses.stream(call, ids, body, created, api_error),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        err = await _wait(call, request, "responses")
+        if err is not None:
+            return err
+        m.requests.labels("responses", "200").inc()
+        m.latency.labels("responses").observe(time.perf_counter() - t0)
+        output, status = responses.output_items(call, ids, call.results[0])
+        return JSONResponse(responses.response_object(call, ids, body, created, output, status))
+
+    def _submit(call: _Call) -> _Call:
+        try:
+            st.scheduler.submit(call.jobs)
+        except TooManyChoices as e:  # prepare checked it; the scheduler has the last word
+            raise ApiError(400, str(e), "n", code="too_many_choices") from None
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy: {e}", type="server_error",
+                           code="queue_full") from None
+        return call
+
+    async def _wait(call: _Call, request: Request, endpoint: str):
+        """Wait for a request's choices; a Response when it failed or the client left."""
         try:
             checked = time.monotonic()
             while call.pending and call.error is None:  # the first error is the answer
@@ -405,6 +427,25 @@ def create_app(st: ServerState) -> FastAPI:
         if err is not None:
             m.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
+        return None
+
+    async def _serve(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(request, st.max_body_bytes)
+            adm = await asyncio.get_running_loop().run_in_executor(st.executor, prepare, st, raw,
+                                                                   chat)
+            call = _submit(_Call(st, chat, adm))
+        except ApiError as e:
+            m.requests.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        if call.req.stream:
+            return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        err = await _wait(call, request, endpoint)
+        if err is not None:
+            return err
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(call.response())
