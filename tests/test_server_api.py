@@ -69,7 +69,7 @@ def openai_error(r, status, code=None):
 
 ROUTE_ERRORS = [  # (method, path, body, status, code, text the message must show)
     ("GET", "/v1/nope", None, 404, "unknown_url", "GET /v1/nope"),
-    ("POST", "/v1/responses", {"model": "tiny"}, 404, "unknown_url", "POST /v1/responses"),
+    ("POST", "/v1/embeddings", {"model": "tiny"}, 404, "unknown_url", "POST /v1/embeddings"),
     ("GET", "/", None, 404, "unknown_url", "GET /"),
     ("POST", "/v2/completions", {}, 404, "unknown_url", "/v2/completions"),
     ("GET", "/v1/completions", None, 405, "method_not_allowed", "allows POST"),

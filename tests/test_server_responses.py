@@ -137,3 +137,22 @@ def test_bad_requests_name_the_responses_field(live, kw, param, text):
 def test_unknown_fields_are_refused(live):
     r = live.post({"model": "tiny", "input": "x", "temprature": 1}, path="/v1/responses")
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_field"
+
+
+def test_served_model_name_aliases(tmp_path):
+    from util import tiny_server_target
+    target = tiny_server_target(tmp_path)
+    st = server.build(str(target), parallel=1, max_context=128, cache_mb=0, model_id="main",
+                      aliases=["alias-1", "org/alias-2"])
+    srv = LiveServer(st, TIMEOUT)
+    try:
+        ids = [m["id"] for m in srv.http.get("/v1/models").json()["data"]]
+        assert ids == ["main", "alias-1", "org/alias-2"]
+        assert srv.http.get("/v1/models/org/alias-2").json()["id"] == "org/alias-2"
+        for name in ids:
+            r = srv.post({"model": name, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "main"
+        r = srv.post({"model": "other", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404 and "'alias-1'" in r.json()["error"]["message"]
+    finally:
+        srv.close()

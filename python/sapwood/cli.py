@@ -315,12 +315,16 @@ def cmd_inspect(a) -> int:
 def cmd_serve(a) -> int:
     from . import server  # without the server extra: an ImportError saying how to install it
 
+    if a.served_model_name and a.model_id and a.model_id != a.served_model_name[0]:
+        raise ValueError(f"--model-id {a.model_id!r} and --served-model-name "
+                         f"{a.served_model_name[0]!r} disagree: give one")
+    a.model_id = a.model_id or (a.served_model_name[0] if a.served_model_name else None)
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
                       batch_verify=a.batch_verify, max_body_mb=a.max_body_mb,
                       api_key=a.api_key, cors_origins=a.cors_origin or (),
-                      reasoning_parser=a.reasoning_parser)
+                      reasoning_parser=a.reasoning_parser, aliases=a.served_model_name[1:])
     if a.host not in ("127.0.0.1", "localhost", "::1") and not st.api_key:
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication (--api-key or SAPWOOD_API_KEY sets a key)", file=sys.stderr)
@@ -357,6 +361,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "never, auto when the chat template writes thinking (Qwen3.5's does)")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: 'default' or the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the model's names for clients (vLLM's): the first is --model-id, the "
+                        "others aliases requests may send too")
     p.add_argument("--api-key", default=None,
                    help="requests must send 'Authorization: Bearer KEY', else 401; /health stays "
                         "open (default: $SAPWOOD_API_KEY, else no key)")

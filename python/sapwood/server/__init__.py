@@ -46,7 +46,7 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
           backend: str = "cpu", threads=None, model_id: str | None = None,
           loader=None, batch_verify: bool = False,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, api_key: str | None = None,
-          cors_origins=(), reasoning_parser: str = "auto") -> ServerState:
+          cors_origins=(), reasoning_parser: str = "auto", aliases=()) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -62,7 +62,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     browser pages may call the API ("*": any); empty: CORS off (server/access.py).
     reasoning_parser: "qwen3" splits <think>...</think> into reasoning_content, "none" leaves
     it in content, "auto" (default) splits when the chat template writes thinking blocks
-    (Qwen3.5's does; server/reasoning.py).
+    (Qwen3.5's does; server/reasoning.py). aliases: more names clients may send for the
+    model (vLLM's --served-model-name NAME ALIAS...); responses name model_id.
     """
     import sapwood
 
@@ -121,7 +122,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
                         (first.path.name if first.path is not None else "model"))
     st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer),
                      max_body_bytes=max(1, int(max_body_mb * 2 ** 20)), api_key=api_key,
-                     cors_origins=cors_origins, reasoning_parser=reasoning_parser)
+                     cors_origins=cors_origins, reasoning_parser=reasoning_parser,
+                     aliases=aliases)
     done.append(lambda slot, r: st.metrics.choice_done(r))
     return st
 

@@ -247,7 +247,7 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
     except ValidationError as e:
         raise validation_error(e) from None
     note_ignored(req, IGNORED_CHAT if chat else IGNORED)
-    if req.model != st.model_id:
+    if req.model not in st.model_names:
         raise st.model_not_found(req.model)
     _check_drafter(st, req)
     choices = req.n * (1 if chat else len(req.prompt))

@@ -50,8 +50,14 @@ class ServerState:
 
     def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
                  max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20),
-                 api_key: str | None = None, cors_origins=(), reasoning_parser: str = "auto"):
+                 api_key: str | None = None, cors_origins=(), reasoning_parser: str = "auto",
+                 aliases=()):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
+        # every name a client may send: the served name first, then its aliases
+        self.model_names = tuple(dict.fromkeys([model_id, *aliases]))
+        for name in self.model_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"served model name {name!r}: must be a non-empty string")
         # access.py: None serves everyone; origins () turns CORS off
         self.api_key = None if api_key is None else check_api_key(api_key)
         self.cors_origins = check_origins(cors_origins)
@@ -82,8 +88,9 @@ class ServerState:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def model_not_found(self, name: str) -> ApiError:
+        served = ", ".join(repr(n) for n in self.model_names)
         return ApiError(404, f"model {name!r} is not served here (this server serves "
-                             f"{self.model_id!r})", "model", code="model_not_found")
+                             f"{served})", "model", code="model_not_found")
 
     def token_str(self, tok: int) -> str:
         """A token's text; one that alone is an incomplete UTF-8 sequence as its bytes,
@@ -300,7 +307,7 @@ def http_error(request: Request, e: HTTPException) -> ApiError:
     where = f"{request.method} {request.url.path}"
     if e.status_code == 404:
         return ApiError(404, f"no such route: {where} (the API is under /v1: completions, "
-                             "chat/completions, models)", code="unknown_url", headers=e.headers)
+                             "chat/completions, responses, models)", code="unknown_url", headers=e.headers)
     if e.status_code == 405:
         allow = (e.headers or {}).get("Allow", "")
         return ApiError(405, f"method not allowed: {where} (this path allows {allow})",
@@ -340,19 +347,19 @@ def create_app(st: ServerState) -> FastAPI:
         return {"status": "ok", "model": st.model_id, "slots": len(s.slots), "busy": s.busy,
                 "queue": s.queue_depth}
 
-    def model_object() -> dict:
-        return {"id": st.model_id, "object": "model", "created": st.created,
+    def model_object(name: str) -> dict:
+        return {"id": name, "object": "model", "created": st.created,
                 "owned_by": "sapwood", "max_model_len": st.max_context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_object()]}
+        return {"object": "list", "data": [model_object(n) for n in st.model_names]}
 
     @app.get("/v1/models/{model:path}")  # path: a served name may hold "/" (Qwen/Qwen3.5-9B)
     async def model(model: str):
-        if model != st.model_id:
+        if model not in st.model_names:
             raise st.model_not_found(model)
-        return model_object()
+        return model_object(model)
 
     @app.get("/metrics")
     async def metrics():
