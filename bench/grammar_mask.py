@@ -9,11 +9,11 @@ token as a tree walk does: consume the token, fill the node's mask, and (the dep
 tree walk of grammar.py) roll back and consume again. Reports the median and p90 microseconds
 of one node (consume + mask), per engine, after a warm-up pass.
 
-Part 2 (--model DIR): generate with json_schema= in verify="off" and verify="tree" (width
-16, prompt lookup unless --drafter), plain and constrained, decode tokens per second; the
-tokens of each constrained run are checked equal across the two modes.
+Part 2 (--model DIR or "default"): generate with json_schema= in verify="off" and
+verify="tree" (width 16, prompt lookup unless --drafter), plain and constrained, decode tokens
+per second; the tokens of each constrained run are checked equal across the two modes.
 
-    python bench/grammar_mask.py [--model /tmp/qwen35-0.8b] [--reps 3]
+    python bench/grammar_mask.py [--model default --drafter default] [--reps 3]
 """
 from __future__ import annotations
 
@@ -140,9 +140,11 @@ def summary(r):
 
 
 def constrained_run(model_dir, drafter, reps):
+    """Decode tokens/s of plain and JSON-schema-constrained requests, verify="off" against
+    verify="tree" (width 16), alternated; the constrained runs' tokens checked equal."""
     import sapwood
     m = sapwood.load(model_dir)
-    prompt = [{"role": "user", "content": "Describe Ada Lovelace as JSON: " + json.dumps(SCHEMA)}]
+    prompt = "# the settings, as JSON\nsettings = "
     out = {}
     for rep in range(reps):
         for arm in ("plain off", "plain tree", "json off", "json tree"):
@@ -150,8 +152,11 @@ def constrained_run(model_dir, drafter, reps):
             kw = dict(json_schema=SCHEMA) if kind == "json" else {}
             r = m.generate(prompt, max_tokens=96, verify=verify,
                            width=16 if verify == "tree" else None, drafter=drafter, **kw)
-            out.setdefault(arm, []).append((r.stats.decode_tokens_per_s, r.tokens))
-    res = {arm: dict(decode_tok_s=round(statistics.median(v[0] for v in runs), 2))
+            out.setdefault(arm, []).append((r.stats.decode_tokens_per_s, r.tokens,
+                                            r.stats.tokens_per_cycle))
+    res = {arm: dict(decode_tok_s=round(statistics.median(v[0] for v in runs), 1),
+                     tokens=len(runs[0][1]),
+                     tokens_per_cycle=round(statistics.median(v[2] for v in runs), 2))
            for arm, runs in out.items()}
     assert out["json off"][0][1] == out["json tree"][0][1], "constrained modes differ"
     return res
