@@ -191,3 +191,22 @@ def test_a_mask_allowing_nothing_leaves_the_engine_as_it_was(models):
     ok[:, 0] = 1 << 9  # only id 9
     path, picks = eng.verify_walk([5, 9], [-1, 0], mask=ok)
     assert picks[0] == 9 and picks[-1] == 9 and path == [0, 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bundled_pair_with_its_draft_model(temperature):
+    """The bundled default (a real trained pair): its draft drafts Python, the grammar prunes
+    what JSON forbids; every mode gives plain decoding's tokens, which fit the schema."""
+    m = sapwood.load("default", max_context=1024)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "size": {"type": "integer"}},
+              "required": ["name", "size"], "additionalProperties": False}
+    runs = [m.generate("config = ", max_tokens=60, temperature=temperature, seed=3,
+                       verify=v, width=w, drafter="default", json_schema=schema)
+            for v, w in [("off", None), ("chain", None), ("tree", 4), ("tree", 16),
+                         ("auto", None)]]
+    assert all(r.tokens == runs[0].tokens for r in runs)
+    if runs[0].finish_reason == "stop":
+        doc = json.loads(runs[0].text)
+        assert isinstance(doc["size"], int) and len(doc["name"]) <= 12
+    assert runs[3].stats.tokens_per_cycle > 1  # the draft's tokens were kept at times

@@ -41,8 +41,9 @@ def fits(doc) -> bool:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     target = tiny_server_target(tmp_path_factory.mktemp("structured"))
+    # batch_verify: the slots' trees verified in one forward, each walked under its own masks
     st = server.build(str(target), parallel=2, max_context=CONTEXT, cache_mb=0, model_id="tiny",
-                      drafter="lookup")
+                      drafter="lookup", batch_verify=True)
     srv = LiveServer(st, TIMEOUT)
     srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                timeout=TIMEOUT)

@@ -211,3 +211,40 @@ def test_call_grammar_shape():
     assert '("UTC" | "CET")' in g
     with pytest.raises(ValueError, match="not in tools"):
         call_grammar(TOOLS, ["nope"], parallel=True)
+
+
+def test_mixed_load_of_tool_constrained_and_plain_requests(live):
+    """Tool calls, a JSON schema, a thinking budget and plain sampling at once on two slots,
+    three rounds each (bounded: 15 requests, a 60 s timeout each): every answer is the one the
+    same request got alone."""
+    import threading
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reqs = [dict(tools=TOOLS, tool_choice="required", temperature=0.9, seed=11),
+            dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "clock"}},
+                 temperature=0.6, seed=12),
+            dict(response_format={"type": "json_schema",
+                                  "json_schema": {"name": "s", "schema": schema}}, seed=13,
+                 temperature=1.0),
+            dict(temperature=0.9, seed=14, max_tokens=30),
+            dict(temperature=0.8, seed=15, max_tokens=30, extra={"thinking_budget": 4,
+                                                                 "chat_template_kwargs": {}})]
+    mode = {"verify": "tree", "width": 6}
+    solo = [chat(live, mode, **dict(r)) for r in reqs]
+    got, errors = {}, []
+
+    def one(i, rep):
+        try:
+            got[(i, rep)] = chat(live, mode, **dict(reqs[i]))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i, rep)) for rep in range(3)
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors and len(got) == 3 * len(reqs)
+    for (i, _), out in got.items():
+        assert out == solo[i], i
+    assert solo[0][2] == solo[1][2] == "tool_calls"
