@@ -19,6 +19,7 @@ from typing import Any, ClassVar, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from ..sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SEED_LIMIT, TOP_K_MAX
@@ -324,8 +325,8 @@ class ContentPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    # null only in an assistant turn that made tool calls (checked in _content_needed)
-    content: Optional[Union[StrictStr, List[ContentPart]]] = None
+    # null only in an assistant turn (one that made tool calls: _content_needed)
+    content: Optional[Union[StrictStr, List[ContentPart]]] = Field(None, validate_default=True)
     name: Optional[StrictStr] = None
     # an assistant turn as the API returns it, sent back: its refusal text and annotations
     # (web search citations) are ignored, nothing in a chat template renders them; tool calls
@@ -347,6 +348,15 @@ class Message(_Strict):
                 if isinstance(kind, str) and kind != "text":
                     raise ValueError(f"a {kind!r} content part: only 'text' parts are "
                                      f"supported ({_TEXT_ONLY})")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v, info: ValidationInfo):
+        """A missing content is "messages.N.content is required", but for an assistant turn
+        (its tool_calls, declared later, are checked in _content_needed)."""
+        if v is None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("missing", "Field required")
         return v
 
     @field_validator("role")
