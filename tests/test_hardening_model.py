@@ -32,10 +32,10 @@ PROMPT = [5, 17, 99, 3, 42, 7, 7, 120]
 def test_interleaved_streams_raise_and_the_first_is_unharmed(model):
     want = model.generate(PROMPT, max_tokens=12, verify="off").tokens
     s1 = model.generate(PROMPT, max_tokens=12, verify="off", stream=True)
-    got = [next(s1), next(s1)]
+    got = next(s1).tokens + next(s1).tokens
     with pytest.raises(RuntimeError, match="in use by another request on this thread"):
         model.generate([1, 2, 3], max_tokens=5, stream=True)
-    got += list(s1)
+    got += [t for chunk in s1 for t in chunk.tokens]
     assert got == want
     assert model.generate(PROMPT, max_tokens=12, verify="off").tokens == want  # released
 
@@ -153,8 +153,11 @@ def test_stream_never_yields_what_the_stop_string_drops(model):
                 continue
             r = model.generate(PROMPT, max_tokens=40, verify="off", stop=stop)
             s = model.generate(PROMPT, max_tokens=40, verify="off", stop=stop, stream=True)
-            streamed = list(s)
+            chunks = list(s)
+            streamed = [t for c in chunks for t in c.tokens]
             assert streamed == r.tokens, (stop, streamed, r.tokens)
+            assert "".join(c.text for c in chunks) == r.text == s.result.text
+            assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
             assert r.text == text[:start] and r.finish_reason == "stop"
             assert text[:start].startswith(model.decode(r.tokens))
             checked += 1

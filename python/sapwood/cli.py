@@ -92,7 +92,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="prompt text ('-' reads standard input)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text ('-' reads standard input); with --chat, the system "
+                        "message (optional)")
     _add_model_args(p)
     p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--verify", default="auto", choices=["off", "chain", "tree", "auto"],
@@ -136,6 +138,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, finish_reason, stats) instead of "
                         "streaming the text")
+    p.add_argument("--chat", action="store_true",
+                   help="an interactive chat: each line read is a user message, the reply is "
+                        "streamed; the sequence is kept between turns (/reset, /exit)")
     p.add_argument("--no-policy-cache", action="store_true",
                    help="do not load or save the speculation policy's calibration "
                         "(also SAPWOOD_POLICY_CACHE=0)")
@@ -191,6 +196,8 @@ def check_generate(a) -> None:
 
     sampling, decoding = _generate_options(a)
     DecodeConfig(params=SamplingParams(**sampling), **decoding).validate()
+    if a.chat and a.json:
+        raise ValueError("--chat writes the conversation as text: it takes no --json")
     _constraint_options(a)
 
 
@@ -198,33 +205,30 @@ def cmd_generate(a) -> int:
     import sapwood
 
     from .generate import GenerationResult, GenerationStats
-    from .textstream import IncrementalText
 
-    prompt = _read_stdin() if a.prompt == "-" else a.prompt
+    prompt = _read_stdin() if a.prompt == "-" and not a.chat else a.prompt
     sampling, decoding = _generate_options(a)
     out, got, stream, model = sys.stdout, [], None, None
     try:
         model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
                              backend=a.backend, max_context=a.max_context,
                              policy_cache=not a.no_policy_cache)
+        if a.chat:
+            from .chat import chat
+
+            return chat(model, dict(drafter=a.drafter, stop=a.stop, **sampling, **decoding),
+                        system=prompt)
         stream = model.generate(prompt, stream=True, drafter=a.drafter, stop=a.stop, **sampling,
                                 **decoding, **_constraint_options(a))
-        shown = None  # the text written so far; holds back a partial UTF-8 sequence
         if not a.json:
             out.write(prompt)
             out.flush()
-            shown = IncrementalText(model.tokenizer, path=model.tokenizer_file)
-        try:
-            while True:
-                tok = next(stream)
-                got.append(tok)
-                if shown is not None and model.tokenizer is not None:
-                    out.write(shown.push(tok))
-                    out.flush()
-        except StopIteration as fin:
-            r = fin.value
-        if shown is not None:
-            out.write(r.text[len(shown.text):] if r.text.startswith(shown.text) else "")
+        for chunk in stream:
+            got.extend(chunk.tokens)
+            if not a.json and chunk.text:
+                out.write(chunk.text)
+                out.flush()
+        r = stream.result
     except KeyboardInterrupt:
         with _sigint_ignored():  # a second Ctrl-C does not cut the report short
             if stream is not None:
@@ -481,7 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)  # a usage error exits here with code 2
+    ap = build_parser()
+    a = ap.parse_args(argv)  # a usage error exits here with code 2
+    if a.cmd == "generate" and a.prompt is None and not a.chat:
+        ap.error("generate: a prompt is needed (text, or '-' to read standard input), or --chat")
     a.argv = [x for x in argv if x != "--debug"]  # bench ab --processes reruns its command line
     try:
         if hasattr(a, "check"):

@@ -177,26 +177,30 @@ class Model:
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                  drafter=None, verify="auto", width=None, rows=8, adapt_rows=True, stop=None,
-                 stream=False, cache_prompt=False, on_round=None, json_schema=None, regex=None,
-                 grammar=None):
+                 stream=False, cache_prompt=False, on_round=None, session=None,
+                 json_schema=None, regex=None, grammar=None):
         """Generate from `prompt` (text, token ids, or chat messages when the checkpoint has a
         chat template). Output is identical for every verify mode, width and drafter.
         rows: draft rows per round; with adapt_rows (chain and auto) the most, fewer while the
         draft keeps few of them.
 
-        Returns a GenerationResult (tokens, text, stats, finish_reason); with stream=True a
-        generator yielding token ids as they are committed, then the result via StopIteration
-        (its `stats` are the request's so far, for a stream that is closed or interrupted).
+        Returns a GenerationResult (tokens, text, stats, finish_reason). With stream=True, a
+        Stream of Chunks: text pieces as they become final (never half a character, stop
+        strings held back until resolved) with their token ids, the last one with its
+        finish_reason; then `stream.result` holds the GenerationResult (and `stream.stats` the
+        request's stats so far, for a stream that is closed or interrupted).
         cache_prompt=True restores the committed state of an identical previous prompt
         instead of prefilling it again, the target's and a draft model's (benchmarks of long
-        contexts use it).
+        contexts use it). session: a Session of this model (Model.session()) to run on, which
+        keeps the sequence between requests: a prompt that extends the tokens it holds (a
+        chat's next turn) prefills only the new ones.
         json_schema (a dict or its JSON text) / regex / grammar (Lark, or GBNF): every token is
         drawn among those the constraint allows (grammar.py), identically in every mode; the
         request ends when the constraint is complete (its eos).
         """
-        from .generate import DecodeConfig, Decoder
+        from .generate import DecodeConfig
         from .sampling import SamplingParams
-        from .textstream import IncrementalText
+        from .session import Session, Stream, reset_drafter
 
         ids = self._prompt_ids(prompt)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -214,71 +218,59 @@ class Model:
                            constraint=constraint).validate()
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if stops and self.tokenizer is None:
-            raise ValueError(f"stop={stop!r}: stop strings need the checkpoint's tokenizer.json, "
-                             "which this model has none of (stop on token ids with "
-                             "generation_config's eos_token_id)")
         claimed = []
 
         def release():  # idempotent: the stream's close and the generator's cleanup both call it
             while claimed:
                 claimed.pop()._release()
 
+        if session is not None and (session.model is not self or cache_prompt):
+            raise ValueError("session= takes a Session of this model (Model.session()), "
+                             "without cache_prompt (the session holds the sequence itself)")
         try:
             self._claim()
             claimed.append(self)
-            d = None if verify == "off" else self.resolve_drafter(drafter)
+            fresh = session is None
+            if fresh:
+                session = Session(self)
+            d = None if verify == "off" else session.drafter_for(drafter)
             draft_model = getattr(d, "model", None)
             if isinstance(draft_model, Model):  # its engine is this request's too
                 draft_model._claim()
                 claimed.append(draft_model)
-                d.reset()
             if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
                 d.prompt_cache_len = len(ids) if cache_prompt else 0
-            self.engine.reset()
-            dec = Decoder(self.engine, d, cfg, policy=self.speculation_policy(d),
-                          on_round=on_round)
+            if fresh:
+                self.engine.reset()
+                reset_drafter(d)
+            steps = session.run(ids, cfg, d, stops=stops, text=bool(stream or stops),
+                                prefill=self._cached_prefill if cache_prompt else None,
+                                on_round=on_round)
         except BaseException:
             release()
             raise
 
         def run():
-            out, sent = [], 0  # out[:sent] streamed
-            text = IncrementalText(self.tokenizer, stops, self.tokenizer_file) if stops else None
             try:
-                for tok in dec.run(ids, self._cached_prefill if cache_prompt else None):
-                    out.append(tok)
-                    if text is None:
-                        if stream:
-                            yield tok
-                            sent += 1
-                        continue
-                    text.push(tok)
-                    if text.stop_at >= 0:
-                        dec.finish_reason = "stop"
-                        out = out[:text.tokens_before(text.stop_at)]
-                        break
-                    safe = text.safe_tokens()
-                    while stream and sent < safe:
-                        yield out[sent]
-                        sent += 1
-                while stream and sent < len(out):  # what was held back and is kept
-                    yield out[sent]
-                    sent += 1
-                if text is not None and text.stop_at >= 0:
-                    return self._result(out, text.text[:text.stop_at], dec)
-                return self._result(out, self.decode(out) if self.tokenizer is not None else "", dec)
+                return (yield from steps).result()
             finally:
                 release()
 
         if stream:
-            return _Stream(run(), release, dec.stats)
+            return Stream(run(), release, session.stats)
         gen = run()
         try:
             while True:
                 next(gen)
         except StopIteration as fin:
             return fin.value
+
+    def session(self):
+        """A Session of this model: generate(..., session=) keeps the sequence between requests
+        (sapwood generate --chat's turns)."""
+        from .session import Session
+
+        return Session(self)
 
     def prompt_cached(self, ids) -> bool:
         """Would _cached_prefill(ids) restore a snapshot instead of prefilling?"""
@@ -298,12 +290,6 @@ class Model:
         logits = self.engine.prefill(ids)
         self._prompt_cache = (list(ids), self.engine.snapshot(), logits)
         return logits, False
-
-    def _result(self, out, text, dec):
-        from .generate import GenerationResult
-
-        dec.stats.tokens = len(out)
-        return GenerationResult(list(out), text, dec.stats, dec.finish_reason)
 
     def _prompt_ids(self, prompt) -> list:
         if isinstance(prompt, str):
@@ -360,34 +346,3 @@ class Model:
         return (f"Model({name!r}, layers={c.num_layers} ({c.num_layers - n_attn} GDN + {n_attn} "
                 f"attention), hidden={c.hidden_size}, vocab={c.vocab_size}, weights={self.weights}, "
                 f"kv={self.kv}, backend={self.backend}, max_context={self.max_context})")
-
-
-class _Stream:
-    """generate(stream=True)'s iterator: token ids, then the GenerationResult as
-    StopIteration's value. The model stays claimed until the stream is exhausted, closed or
-    dropped; a generator closed before it started runs no cleanup, hence `release`.
-
-    stats: the request's GenerationStats as they stand, final once the stream has ended,
-    closed or been interrupted (a stream cut short by Ctrl-C has no result: `sapwood generate`
-    reports these); tokens counts those decoded, a stop string's held-back ones included."""
-
-    def __init__(self, gen, release, stats):
-        self._gen, self._release, self.stats = gen, release, stats
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._gen)
-
-    def close(self) -> None:
-        try:
-            self._gen.close()
-        finally:
-            self._release()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to release
-            pass

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..drafters import ModelDrafter
-from ..generate import DecodeConfig, Decoder, GenerationStats, walk_and_commit
+from ..generate import DecodeConfig, GenerationStats, walk_and_commit
 from ..reference.ranking import logsumexp
 from ..sampling import SamplingParams
-from ..textstream import IncrementalText
+from ..session import Session
 
 
 class QueueFull(Exception):
@@ -358,59 +358,31 @@ class Slot:
             rec.done()
 
     def _decode(self, job, cfg, drafter, rec) -> ChoiceResult:
-        model = self.model
-        dec = Decoder(rec, drafter, cfg, policy=model.speculation_policy(drafter),
-                      on_round=rec.on_round)
         info: dict = {}
-        # the text as Model.generate grows it: held back while it may end in a stop string
-        text = IncrementalText(model.tokenizer, job.stops)
-        tokens, logprobs, finish = [], [], None
-        sent = (0, 0)  # characters and tokens emitted
-        gen = dec.run(job.prompt, lambda ids: self._prefill(job, ids, drafter, rec, info))
+        steps = Session(self.model, engine=rec).run(
+            job.prompt, cfg, drafter, stops=job.stops, on_round=rec.on_round,
+            prefill=lambda ids: self._prefill(job, ids, drafter, rec, info),
+            cancelled=job.cancelled.is_set)
+        logprobs = []
         try:
-            for tok in gen:
-                tokens.append(tok)
-                if job.logprobs is not None:
-                    logprobs.append(token_logprobs(rec.rows.popleft(), tok, job.logprobs))
-                text.push(tok)
-                if text.stop_at >= 0:
-                    finish = "stop"
-                    break
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                shown = len(text.text) - text.held_chars() if job.stops else len(text.text)
-                sent = self._release(job, text, shown, text.safe_tokens(), tokens, logprobs, sent)
-        finally:
-            gen.close()
-        if finish == "stop":
-            body, kept = text.text[:text.stop_at], text.tokens_before(text.stop_at)
-        else:
-            # the end: the whole output, a last unfinished character included (as generate)
-            body, kept = model.decode(tokens), len(tokens)
-            if finish is None:
-                finish = "stop" if dec.finish_reason == "stop" else "length"  # eos; length, context
-        ends = (text.ends + [len(body)] * len(tokens))[:kept]
-        if finish != "cancelled":
-            self._release(job, text, len(body), kept, tokens, logprobs, sent, body, ends)
-            if self.cache.budget:
-                self._keep(tuple(dec.context), drafter)
-        dec.stats.tokens = kept
-        return ChoiceResult(job.index, tokens[:kept], body, finish, logprobs[:kept], dec.stats,
-                            len(job.prompt), info.get("cached", 0), info.get("prefilled", 0),
-                            int(job.params.seed), self.index, ends)
-
-    @staticmethod
-    def _release(job, text, shown, n, tokens, logprobs, sent, body=None, ends=None):
-        """Emit the text up to `shown` and the first `n` tokens, past what `sent` (characters,
-        tokens) says went out already; the new `sent`."""
-        body = text.text if body is None else body
-        ends = text.ends if ends is None else ends
-        chars, toks = sent
-        if job.stream and (shown > chars or n > toks):
-            job.emit("delta", Delta(job.index, body[chars:shown], tokens[toks:n], logprobs[toks:n],
-                                    ends[toks:n], ends[toks - 1] if toks else 0))
-        return max(chars, shown), max(toks, n)
+            while True:
+                chunk = next(steps)
+                if job.logprobs is not None:  # the rows of released tokens, in order
+                    logprobs += [token_logprobs(rec.rows.popleft(), t, job.logprobs)
+                                 for t in chunk.tokens]
+                n = len(chunk.tokens)
+                if job.stream and (chunk.text or n):
+                    job.emit("delta", Delta(job.index, chunk.text, chunk.tokens,
+                                            logprobs[len(logprobs) - n:] if job.logprobs is not None
+                                            else [], chunk.ends, chunk.start))
+        except StopIteration as fin:
+            out = fin.value
+        finish = "length" if out.finish_reason == "context" else out.finish_reason
+        if finish != "cancelled" and self.cache.budget:
+            self._keep(tuple(out.context), drafter)
+        return ChoiceResult(job.index, out.tokens, out.text, finish, logprobs[:len(out.tokens)],
+                            out.stats, len(job.prompt), info.get("cached", 0),
+                            info.get("prefilled", 0), int(job.params.seed), self.index, out.ends)
 
 
 class Scheduler:
