@@ -159,7 +159,7 @@ class Decoder:
         if self.drafter is None:
             return "off"
         if mode in ("tree", "auto") and not self._tree_eligible:
-            mode = "chain"  # penalties, constraints: always the chain
+            mode = "chain"  # penalties: always the chain (constraints are per-node masks)
         if mode == "auto" and cfg.adapt_rows:
             mode, self._rows = self.req.plan(self._behind, cfg.rows)
         elif mode == "auto":
