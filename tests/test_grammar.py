@@ -135,29 +135,54 @@ def test_tree_masks_are_the_path_states_and_prune_forbidden_drafts(models):
     assert m.mask().tolist() == c.matcher().mask().tolist()  # rolled back to the start
 
 
-def test_pruning_forbidden_drafts_changes_nothing_but_the_work(models, monkeypatch):
-    """Drafts are pruned in tree rounds (the drafter knows no grammar), and the tokens are
-    those of the same request with pruning off (forbidden nodes verified, never reached)."""
+def test_pruning_and_forced_drafts_change_nothing_but_the_work(models, monkeypatch):
+    """Drafts are pruned in tree rounds (the drafter knows no grammar) and the text the
+    grammar forces is drafted below the leaves; the tokens are those of the same request with
+    both off (forbidden nodes verified, never reached) and with pruning alone."""
     from sapwood import grammar
     target, root = models
-    real = grammar.Matcher.tree_masks
+    real = grammar.PathMatcher.tree_masks
     widths = []
 
-    def recording(self, tree, prune):
-        out = real(self, tree, prune)
-        widths.append((tree.width, out[0].width))
+    def recording(self, tree, prune, depth=0):
+        out = real(self, tree, prune, depth)
+        widths.append((tree.width, out[0].width, depth))
         return out
 
     kw = dict(max_tokens=100, verify="tree", width=16, drafter=str(root / "draft"),
               json_schema=SCHEMA, temperature=0.7, seed=1)
-    monkeypatch.setattr(grammar.Matcher, "tree_masks", recording)
+    monkeypatch.setattr(grammar.PathMatcher, "tree_masks", recording)
+    full = target.generate("x", **kw)
+    assert any(d > 0 for _, _, d in widths)
+    monkeypatch.setattr(grammar.PathMatcher, "tree_masks",
+                        lambda self, tree, prune, depth=0: recording(self, tree, prune, 0))
+    widths.clear()
     pruned = target.generate("x", **kw)
-    assert any(after < before for before, after in widths), widths
-    monkeypatch.setattr(grammar.Matcher, "tree_masks",
-                        lambda self, tree, prune: real(self, tree, False))
+    assert any(after < before for before, after, _ in widths), widths
+    monkeypatch.setattr(grammar.PathMatcher, "tree_masks",
+                        lambda self, tree, prune, depth=0: real(self, tree, False, 0))
     unpruned = target.generate("x", **kw)
-    assert pruned.tokens == unpruned.tokens
+    assert full.tokens == pruned.tokens == unpruned.tokens
     assert pruned.stats.nodes_verified < unpruned.stats.nodes_verified
+    # the forced keys and punctuation are kept: more tokens a round than without them
+    assert full.stats.tokens_per_cycle > pruned.stats.tokens_per_cycle
+
+
+def test_forced_text_is_drafted_below_the_leaves(models):
+    """A tree of the root alone (the drafter proposed nothing the grammar allows): the keys
+    the schema forces hang below it as a chain, each row the state after its path."""
+    target, _ = models
+    c = compile_constraint(target, json_schema=SCHEMA)
+    root = target.tokenizer.token_to_id("{")
+    from sapwood.generate import _root_tree
+    tree, masks = c.matcher().tree_masks(_root_tree(root), prune=True, depth=6)
+    assert tree.width > 1 and (tree.parents == np.arange(tree.width) - 1).all()
+    assert target.decode(tree.tokens.tolist()).startswith('{"n')
+    for i in range(tree.width):
+        fresh = c.matcher()
+        fresh.advance(tree.tokens[:i + 1].tolist())
+        np.testing.assert_array_equal(masks[i], fresh.mask()[0])
+    assert tree.depth.max() <= 6
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -277,7 +277,8 @@ class Decoder:
                     committed = [root]
                 else:
                     tree, wide, logits, learn_from = self._build(root, mode, room, emit)
-                    tree = self._constrain(tree, logits)
+                    # forced text drafted at most as deep as the rows the policy counts
+                    tree = self._constrain(tree, logits, min(emit - 1, cfg.rows))
                     calibration = logits is not None
                     # a draft model drafts next, on this thread: the target's worker folds
                     # the committed GDN steps meanwhile, which the next verify would fold
@@ -375,13 +376,15 @@ class Decoder:
             self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0
 
-    def _constrain(self, tree, logits):
+    def _constrain(self, tree, logits, depth=0):
         """A constrained request's round: the tree less the drafts its grammar forbids (kept
-        when `logits`, a calibration's, already scored it: never reached either way), its mask
-        rows kept for _verify_walk (grammar.Matcher.tree_masks)."""
+        when `logits`, a calibration's, already scored it: never reached either way), plus the
+        text the grammar forces below its leaves, down to `depth` (the round's emit - 1), its
+        mask rows kept for _verify_walk (grammar.PathMatcher.tree_masks)."""
         if self.matcher is None:
             return tree
-        tree, self._masks = self.matcher.tree_masks(tree, prune=logits is None)
+        prune = logits is None
+        tree, self._masks = self.matcher.tree_masks(tree, prune, depth if prune else 0)
         return tree
 
     def _verify_walk(self, tree, logits, fold_in_background):

@@ -155,6 +155,11 @@ class PathMatcher:
     def _why(self) -> str:
         return ""
 
+    def _forced(self) -> list:
+        """Tokens the constraint forces next (its fixed text: a schema's keys and
+        punctuation), as far as it forces them; [] when it does not."""
+        return []
+
     def mask(self) -> np.ndarray:
         """int32 [1, words]: the tokens allowed next."""
         out = np.zeros((1, self.words), np.int32)
@@ -173,12 +178,18 @@ class PathMatcher:
                 raise RuntimeError(f"constraint refused committed token {int(t)}: "
                                    f"{self._why()}")
 
-    def tree_masks(self, tree, prune: bool):
+    def tree_masks(self, tree, prune: bool, depth: int = 0):
         """(tree, masks int32 [w, words]) for a round's tree whose root is the next pick (not
         consumed yet): row i is the state after the path to node i. With prune, nodes the
         constraint forbids (and their subtrees) are left out of the returned tree; without
         (the tree's logits already computed), they stay with rows allowing everything (never
-        reached: their parent cannot pick them)."""
+        reached: their parent cannot pick them).
+
+        depth > 0 (with prune): below each leaf whose path ends where the constraint forces
+        text (a schema's keys and punctuation), the forced tokens are drafted as a chain, down
+        to that depth (at most MAX_GRAFT nodes a round). A drafter that knows no grammar rarely
+        proposes them; verified like any draft, they change what a round keeps, never what
+        it emits."""
         w = tree.width
         toks, par = tree.tokens.tolist(), tree.parents.tolist()
         masks = np.full((w, self.words), -1, np.int32)
@@ -188,6 +199,25 @@ class PathMatcher:
         for i in range(1, w):
             kids[par[i]].append(i)
         stops = self._stops
+        dep = tree.depth.tolist()
+        grafts: list = []  # (parent: an old node or -(k + 1) for grafts[k], token, mask row)
+
+        def allowed(row, t):
+            return (row.view(np.uint32)[t >> 5] >> np.uint32(t & 31)) & 1
+
+        def graft(node):
+            room = min(depth - dep[node], MAX_GRAFT - len(grafts))
+            parent, row, n = node, masks[node], 0
+            for t in self._forced()[:max(room, 0)]:
+                if t in stops or not allowed(row, t) or not self._consume(t):
+                    break
+                n += 1
+                new = np.empty(self.words, np.int32)
+                self._fill(new)
+                grafts.append((parent, t, new))
+                parent, row = -len(grafts), new
+            for _ in range(n):
+                self._rollback()
 
         def visit(node):
             ok[node] = True
@@ -198,13 +228,19 @@ class PathMatcher:
                 raise RuntimeError(f"constraint refused token {tok} at tree node {node}: "
                                    f"{self._why()}")
             self._fill(masks[node])
+            leaf = True
             for k in kids[node]:
                 t = toks[k]
-                if (bits[node, t >> 5] >> np.uint32(t & 31)) & 1:
+                if allowed(masks[node], t):
                     visit(k)
+                    leaf = False
+            if leaf and prune and depth > dep[node]:
+                graft(node)
             self._rollback()
 
         visit(0)
+        if grafts:
+            return _grafted(tree, ok, masks, grafts)
         if not prune or ok.all():
             return tree, masks
         keep = np.flatnonzero(ok)
@@ -215,6 +251,35 @@ class PathMatcher:
         pruned = Tree(tree.tokens[keep], parents, tree.depth[keep], tree.rank[keep],
                       tree.logp[keep], tree.q[keep])
         return pruned, masks[keep]
+
+
+MAX_GRAFT = 24  # forced-text drafts added to one round's tree (tree_masks)
+
+
+def _grafted(tree, ok, masks, grafts):
+    """The tree's kept nodes, then the grafted chains (each graft's parent an earlier node),
+    and their mask rows."""
+    from .tree import Tree
+    keep = np.flatnonzero(ok)
+    new_index = np.full(tree.width, -1, np.int64)
+    new_index[keep] = np.arange(keep.size)
+    toks = tree.tokens[keep].tolist()
+    pars = np.where(tree.parents[keep] >= 0, new_index[tree.parents[keep]], -1).tolist()
+    dep, rank = tree.depth[keep].tolist(), tree.rank[keep].tolist()
+    logp, q = tree.logp[keep].tolist(), tree.q[keep].tolist()
+    rows = [masks[keep]]
+    for parent, t, row in grafts:
+        p = int(new_index[parent]) if parent >= 0 else keep.size + (-parent - 1)
+        toks.append(int(t))
+        pars.append(p)
+        dep.append(dep[p] + 1)
+        rank.append(0)
+        logp.append(logp[p])  # certain under the grammar: no less likely than its parent
+        q.append(0.0)
+        rows.append(row[None])
+    out = Tree(np.array(toks, np.int64), np.array(pars, np.int64), np.array(dep, np.int64),
+               np.array(rank, np.int64), np.array(logp), np.array(q))
+    return out, np.concatenate(rows)
 
 
 class Matcher(PathMatcher):
@@ -244,6 +309,9 @@ class Matcher(PathMatcher):
     def _fill(self, row: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self._check()
+
+    def _forced(self) -> list:
+        return self._m.compute_ff_tokens()
 
 
 def _all_of(row: np.ndarray, vocab: int) -> None:
@@ -311,6 +379,12 @@ class ThinkingMatcher(PathMatcher):
             _all_of(row, self.c.vocab)
         else:
             self.inner._fill(row)
+
+    def _forced(self) -> list:
+        thinking, n = self._states[-1]
+        if thinking:
+            return [self.c.end_id] if self.c.budget is not None and n >= self.c.budget else []
+        return self.inner._forced() if self.inner is not None else []
 
     def _why(self) -> str:
         thinking, n = self._states[-1]
