@@ -139,26 +139,43 @@ def summary(r):
                 tokenizer_s=round(r["tokenizer_s"], 2), compile_s=round(r["compile_s"], 3))
 
 
+RECORDS = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "object", "additionalProperties": False,
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "kind": {"enum": ["file", "dir", "link"]}, "hidden": {"type": "boolean"}},
+    "required": ["id", "kind", "hidden"]}}
+
+
 def constrained_run(model_dir, drafter, reps):
-    """Decode tokens/s of plain and JSON-schema-constrained requests, verify="off" against
-    verify="tree" (width 16), alternated; the constrained runs' tokens checked equal."""
+    """Decode tokens/s and tokens per round of plain and constrained requests, verify="off"
+    against verify="tree" (width 16), alternated; each constrained request's tokens checked
+    equal across the modes. "records" (keys and punctuation mostly fixed) also runs without
+    the forced-text drafts (grammar.MAX_GRAFT = 0) to show what they keep."""
     import sapwood
+    from sapwood import grammar
     m = sapwood.load(model_dir)
     prompt = "# the settings, as JSON\nsettings = "
+    arms = {"plain off": {}, "plain tree": {}, "json off": dict(json_schema=SCHEMA),
+            "json tree": dict(json_schema=SCHEMA), "records off": dict(json_schema=RECORDS),
+            "records tree": dict(json_schema=RECORDS),
+            "records tree, no forced drafts": dict(json_schema=RECORDS)}
     out = {}
     for rep in range(reps):
-        for arm in ("plain off", "plain tree", "json off", "json tree"):
-            kind, verify = arm.split()
-            kw = dict(json_schema=SCHEMA) if kind == "json" else {}
+        for arm, kw in arms.items():
+            verify = arm.split()[1].rstrip(",")
+            grammar.MAX_GRAFT = 0 if "no forced" in arm else 24
             r = m.generate(prompt, max_tokens=96, verify=verify,
                            width=16 if verify == "tree" else None, drafter=drafter, **kw)
             out.setdefault(arm, []).append((r.stats.decode_tokens_per_s, r.tokens,
                                             r.stats.tokens_per_cycle))
+    grammar.MAX_GRAFT = 24
     res = {arm: dict(decode_tok_s=round(statistics.median(v[0] for v in runs), 1),
                      tokens=len(runs[0][1]),
                      tokens_per_cycle=round(statistics.median(v[2] for v in runs), 2))
            for arm, runs in out.items()}
-    assert out["json off"][0][1] == out["json tree"][0][1], "constrained modes differ"
+    for kind in ("json", "records"):
+        assert out[f"{kind} off"][0][1] == out[f"{kind} tree"][0][1], f"{kind}: modes differ"
+    assert out["records tree"][0][1] == out["records tree, no forced drafts"][0][1]
     return res
 
 
