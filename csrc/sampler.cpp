@@ -343,6 +343,10 @@ const T* masked(const T* row, int V, const uint32_t* bits, int r) {
     const uint32_t b = bits[w];
     const int lo = w * 32, hi = std::min(V, lo + 32);
     any |= b != 0 && (hi - lo == 32 || (b & ((1u << (hi - lo)) - 1)) != 0);
+    if (b == 0) {  // whole words of one kind are the common case (a JSON state: few ids set)
+      std::fill(out.begin() + lo, out.begin() + hi, -T(INFINITY));
+      continue;
+    }
     for (int i = lo; i < hi; ++i) {
       const bool ok = (b >> (i - lo)) & 1u;
       out[size_t(i)] = ok ? row[i] : -T(INFINITY);
