@@ -41,6 +41,11 @@ XA = os.path.join(HERE, "results", "xeon_amx")
 XQ = os.path.join(XA, "quiet")
 PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
 UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
+# The round's Python per kind of round once the round runs in the engine (issue 53): `python
+# bench/round_cost.py default --drafter default --kinds` (bench/results/zen4_vnni/stop48/),
+# medians; what --python kinds (the default) charges every recording instead of the flat
+# figures above (--python flat), which were the rounds' Python before it moved.
+KINDS = {"off": 0.028, "plain": 0.028, "chain": 0.48, "tree": 0.46, "wide": 0.64}
 
 
 def xeon_set(name: str, folder: str) -> list:
@@ -90,7 +95,7 @@ SUITE = [
 ] + xeon_set("amx quiet", XQ)
 
 
-def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None) -> str:
+def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None, bar=None) -> str:
     """The summary line of one suite entry; `table`: a list that gets its markdown rows (per
     depth context, or the cohort's geometric means); seed: the --noise draws;
     noise: replay_width's --noise (every verify's charge scattered by a host's ratios)."""
@@ -131,6 +136,8 @@ def run(name, recs, opts, quiet=True, table=None, seed=0, noise=None) -> str:
     if opts.get("shared") and cohort:
         c, f = cohort[0]
         line += f"; cohort geomean / best arm x{c:.3f}, first requests x{f:.3f}"
+    if bar is not None:  # the issue-53 bar: the cohort's geomean, else the contexts' warm one
+        bar.append(cohort[0][0] if opts.get("shared") and cohort else geomean(ratios["later"]))
     return line
 
 
@@ -167,6 +174,9 @@ def main():
     ap.add_argument("--noise", default=None,
                     help="scatter every verify's charge by the ratios in this file "
                          "(bench/verify_noise.py): the live policy's timings on a loaded host")
+    ap.add_argument("--python", choices=["kinds", "flat"], default="kinds",
+                    help="the Python a round is charged: per kind of round (KINDS) or one "
+                         "figure per target (the rounds before the engine took them in)")
     a = ap.parse_args()
     if a.old:
         from sapwood.policy import PolicyParams
@@ -176,19 +186,26 @@ def main():
                    SAPWOOD_REPLAY_QUANTILE=str(PolicyParams().quantile))
         args = [sys.executable, __file__] + (["--quiet"] if a.quiet else []) + (
             ["--only", a.only] if a.only else []) + (["--table"] if a.table else []) + (
-            ["--seeds", str(a.seeds)]) + (["--noise", a.noise] if a.noise else [])
+            ["--seeds", str(a.seeds)]) + (["--noise", a.noise] if a.noise else []) + (
+            ["--python", a.python])
         sys.exit(subprocess.run(args, env=env).returncode)
-    table = []
+    table, bar = [], []
     for name, recs, opts in SUITE:
+        if a.python == "kinds":
+            opts = dict(opts, python_ms=KINDS)
         if a.only is None or a.only in name:
             if all(os.path.exists(r) for r in recs):
                 rows = []
                 for seed in range(a.seeds):
                     rows.append([])
                     line = run(name, recs, opts, quiet=a.quiet, table=rows[-1], seed=seed,
-                               noise=a.noise)
+                               noise=a.noise, bar=bar)
                     print(line if a.seeds == 1 else f"seed {seed}: {line}", flush=True)
                 table += [merge_rows(r) for r in zip(*rows)]
+    if bar:  # issue 53's bar: geomean >= 1.0 with no line below 0.95
+        print(f"bar: auto / best fixed over {len(bar)} lines (a cohort's geomean, else the "
+              f"warm contexts'): geomean x{geomean(bar):.3f}, worst x{min(bar):.3f}, "
+              f"{sum(b < 0.95 for b in bar)} below x0.95")
     if a.table:
         print("\n| recordings | context | warm | first (cold / cold) | reloaded / warm |\n"
               "|---|---|---|---|---|")

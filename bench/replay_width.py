@@ -11,7 +11,7 @@ width studies (`sapwood bench width`) could not tell a 3% change from none.
 
 record: per context (the width study's context at each depth, the first N cohort prompts),
 the greedy continuation; the draft model's lattice (8 rows, its top 4 per row) at every
-position of it, which depends only on the context (DESIGN.md: a node's logits do not depend
+position of it, which depends only on the context (docs/design.md: a node's logits do not depend
 on the batch), so whatever rounds a policy runs, its drafts are these; and the costs there,
 every alternated timing (and their medians): verify of 1..16 nodes, a draft of 1..8 rows, the
 draft's catch-up per token.
@@ -113,8 +113,23 @@ class Clock:
     recorded median times a ratio drawn from it by a generator seeded with `seed`."""
 
     def __init__(self, python_s=None, noise=None, seed=0):
+        # python_s: seconds a round, or per kind of round (the decoder's modes: off, plain,
+        # chain, wide, tree), as bench/round_cost.py --kinds measures them
         self.extra, self.python_s = 0.0, python_s
         self.noise, self.rng = noise, np.random.default_rng(seed)
+        self.kind = "off"  # the round being run (replay_request follows the decoder's _mode)
+
+    def python(self) -> float:
+        """The Python a verify is charged: python_s when it is one figure (the rounds before
+        issue 53, whose Python came with the verify), else 0 (start_round charges it)."""
+        return 0.0 if isinstance(self.python_s, dict) else self.python_s or 0.0
+
+    def start_round(self, kind: str) -> None:
+        """A round of `kind` begins: with python_s per kind, its Python is charged now, outside
+        the verify, where the live decoder's timings put it (the round's rest)."""
+        self.kind = kind
+        if isinstance(self.python_s, dict):  # an older decoder's modes: priced as a chain's
+            self.extra += self.python_s.get(kind, self.python_s["chain"])
 
     def scatter(self, seconds: float) -> float:
         return seconds if self.noise is None else seconds * self.noise[self.rng.integers(len(self.noise))]
@@ -167,8 +182,7 @@ class FakeEngine:
 
     def verify(self, tokens, parents):
         n = len(tokens)
-        self.clock.extra += (self.clock.scatter(self.verify_s[min(n, 16) - 1])
-                             + (self.clock.python_s or 0.0))
+        self.clock.extra += self.clock.scatter(self.verify_s[min(n, 16) - 1]) + self.clock.python()
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[parents[i]] + 1
@@ -258,7 +272,12 @@ def replay_request(rec, arm, rule, max_tokens, trace=False, python_s=None, noise
         dec = G.Decoder(eng, drafter, cfg, policy=rule, on_round=on_round,
                         clock=clock.perf_counter)
     modes, mode_of = [], dec._mode
-    dec._mode = lambda: modes.append(mode_of()) or modes[-1]
+
+    def mode():
+        modes.append(mode_of())
+        clock.start_round(modes[-1])
+        return modes[-1]
+    dec._mode = mode
     toks = list(dec.run([0] * rec["prompt_len"]))
     if trace:  # c: chain, w: wide, p: plain, t: fixed tree
         print(f"  {rec['name']} {arm}: " + " ".join(f"{m[0]}{w}:{k}/{sec * 1e3:.0f}"
@@ -279,7 +298,14 @@ def replay(a):
     arms = [str(w) for w in range(lo, hi + 1)] + ["off", "chain", "auto"]
     rules = {}
     tps = {(c["name"], arm): [] for c in contexts for arm in arms}
-    python_s = None if a.python_ms is None else a.python_ms / 1e3
+    python_s = a.python_ms
+    if isinstance(python_s, str):  # --python-ms chain=0.45,wide=0.6,...
+        python_s = {k: float(v) for k, v in (kv.split("=") for kv in python_s.split(","))}
+    if isinstance(python_s, dict):
+        python_s = {k: v / 1e3 for k, v in python_s.items()}
+        python_s.setdefault("plain", python_s.get("off", 0.0))
+    elif python_s is not None:
+        python_s = float(python_s) / 1e3
     def run(c, i, arm, rule, trace=False):
         return replay_request(c, arm, rule, min(a.max_tokens, len(c["seq"]) - 1), trace=trace,
                               python_s=python_s, noise=noise,
@@ -361,8 +387,9 @@ def main():
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--widths", default="1-16", help="fixed widths lo-hi ('' for none)")
-    p.add_argument("--python-ms", type=float, default=None,
-                   help="deterministic: no real time, this much Python per round instead")
+    p.add_argument("--python-ms", default=None,
+                   help="deterministic: no real time, this much Python per round instead "
+                        "(ms; or per kind of round: off=0.03,chain=0.45,tree=0.45,wide=0.6)")
     p.add_argument("--noise", default=None,
                    help="verify costs scattered by the time / median ratios in this file "
                         "(bench/verify_noise.py)")

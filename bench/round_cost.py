@@ -80,6 +80,40 @@ def tree_run(model, prompt, tokens, width, drafter=None):
             "total_s": total, "tokens_per_cycle": st.tokens_per_cycle}
 
 
+def python_per_kind(model, prompt, tokens, drafter=None, reps=2):
+    """Per kind of round (off, plain, chain, wide, tree): the seconds of each round spent
+    outside engine calls (the decoder's and the policy's Python), from runs of verify off,
+    chain, tree (width 16) and auto, `reps` times each. What bench/replay_suite.py charges
+    each kind of round (--python-ms)."""
+    out = {}
+    for _ in range(reps):
+        for verify in ("off", "chain", "tree", "auto"):
+            d = None if verify == "off" else model.resolve_drafter(drafter or "lookup")
+            log = []
+            if hasattr(d, "head"):
+                d.head = Counted(d.head, log)
+            if hasattr(d, "engine"):
+                d.engine = Counted(d.engine, log)
+                d.reset()
+            cfg = DecodeConfig(max_tokens=tokens, verify=verify, width=16)
+            model.engine.reset()
+            seen = [0]
+            rounds = []
+
+            def on_round(tree, path, seconds):
+                calls, seen[0] = log[seen[0]:], len(log)
+                rounds.append(seconds - sum(s for _, s in calls))
+            dec = Decoder(Counted(model.engine, log), d, cfg, on_round=on_round,
+                          policy=model.speculation_policy(d) if d is not None else None)
+            modes, mode_of = [], dec._mode
+            dec._mode = lambda: modes.append(mode_of()) or modes[-1]
+            list(dec.run(prompt, lambda ids: (model.engine.prefill(ids), log.clear(),
+                                              seen.__setitem__(0, 0))[0]))
+            for m, s in zip(modes[1:], rounds[1:]):  # the first round is not a steady one
+                out.setdefault(m, []).append(s)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint")
@@ -90,12 +124,25 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--drafter", default=None, help="default: the MTP head, else lookup")
     ap.add_argument("--out")
+    ap.add_argument("--kinds", action="store_true",
+                    help="only the Python per kind of round (python_per_kind), of --drafter")
     a = ap.parse_args()
     model = sapwood.load(a.checkpoint, weights=a.weights, threads=a.threads)
     model.generation_config["eos_token_id"] = []  # random weights would stop anywhere
     v = model.config.vocab_size
     prompt = [int(t) for t in np.random.default_rng(0).integers(min(1000, v // 20),
                                                                 min(20000, v // 2), 32)]
+    if a.kinds:
+        kinds = python_per_kind(model, prompt, a.tokens, a.drafter, a.reps)
+        for k, v in sorted(kinds.items()):
+            q = np.quantile(v, [0.25, 0.5, 0.75]) * 1e3
+            print(f"{k:6s} {len(v):4d} rounds: Python {q[1]:.3f} ms a round "
+                  f"[p25 {q[0]:.3f}, p75 {q[2]:.3f}]")
+        if a.out:
+            res = {"checkpoint": a.checkpoint, "drafter": a.drafter, "load_avg": os.getloadavg(),
+                   "python_s": kinds}
+            print(f"# {a.out} sha256 {dump_json(res, a.out)}")
+        return
     plain = plain_ms(model, prompt, a.tokens, a.reps)
     tree = tree_run(model, prompt, a.tokens, a.width, a.drafter)
     res = {"checkpoint": os.path.basename(a.checkpoint.rstrip("/")), "weights": a.weights,

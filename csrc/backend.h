@@ -1,4 +1,4 @@
-// The backend seam (DESIGN.md "Backends"): one op list that the forward, the commit and the
+// The backend seam (docs/design.md "Backends"): one op list that the forward, the commit and the
 // drafter need, and the state of one sequence (KV pages, GDN state, tape, conv window) that a
 // backend owns in its own memory and layout. The forward (model.cpp) and the engine
 // (engine.cpp) are written once over it; the CPU backend is the ISA-dispatched kernels of
@@ -88,6 +88,19 @@ class Backend {
                          const std::vector<float>& dt_bias, Act beta, Act g) = 0;
   // y = x W^T for each (W, y) reading the same x of n rows (1..kMaxMatmuls matrices)
   virtual void matmul(Act x, int n, std::initializer_list<std::pair<const QMatrix*, Act>> outs) = 0;
+
+  // ---- drafting over rows of logits, in the backend's memory ----
+  // A greedy draft row's pick and candidates: only 2k + 1 values leave the device, not the
+  // vocabulary's logits (the host then does nothing of the vocabulary's size).
+  // The k (<= kMaxTopK) best ids of each row, best first, an equal value's lower id first, NaN
+  // never (-1 where fewer qualify), and their values: ids (int32 bits) and vals, [rows][k].
+  static constexpr int kMaxTopK = 16;
+  virtual void top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) = 0;
+  // out[r] = max + log(sum exp(x[r] - max))
+  virtual void logsumexp_rows(Act x, int rows, int cols, Act out) = 0;
+  // How often the host has waited for the device so far (a GPU's sync points; none on the
+  // CPU, whose ops are done when they return).
+  virtual int64_t syncs() const { return 0; }
 
   // ---- the sequence's state ----
   virtual int length() const = 0;

@@ -55,6 +55,30 @@ void CpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {
   for (int i = 0; i < n; ++i) table.dequant_row(tokens[i], x.p + size_t(i) * table.cols);
 }
 
+namespace {
+void set_id(Act ids, size_t i, int v) { std::memcpy(ids.p + i, &v, sizeof v); }  // int32 bits
+}  // namespace
+
+void CpuBackend::top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) {
+  SW_CHECK(k >= 1 && k <= kMaxTopK && k <= cols, "top_k_rows: k=", k, " (1..", kMaxTopK,
+           ", <= cols ", cols, ")");
+  std::vector<int> out(static_cast<size_t>(k));
+  for (int r = 0; r < rows; ++r) {
+    const float* row = x.p + size_t(r) * cols;
+    std::fill(out.begin(), out.end(), -1);  // top_ids fills only as many as are not NaN
+    kernels().top_ids(row, cols, k, -1, out.data());
+    for (int j = 0; j < k; ++j) {
+      set_id(ids, size_t(r) * k + j, out[size_t(j)]);
+      vals.p[size_t(r) * k + j] = out[size_t(j)] >= 0 ? row[out[size_t(j)]] : 0.0f;
+    }
+  }
+}
+
+void CpuBackend::logsumexp_rows(Act x, int rows, int cols, Act out) {
+  for (int r = 0; r < rows; ++r)
+    out.p[r] = float(kernels().logsumexp(x.p + size_t(r) * cols, size_t(cols)));
+}
+
 void CpuBackend::rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) {
   kernels().rms_norm(x.p, w.data(), n, dim, eps, out.p);
 }

@@ -36,6 +36,8 @@ class CpuBackend final : public Backend {
   void gdn_gates(Act ba, int n, int hv, const std::vector<float>& neg_exp_a,
                  const std::vector<float>& dt_bias, Act beta, Act g) override;
   void matmul(Act x, int n, std::initializer_list<std::pair<const QMatrix*, Act>> outs) override;
+  void top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) override;
+  void logsumexp_rows(Act x, int rows, int cols, Act out) override;
 
   int length() const override { return seq_->length(); }
   int capacity() const override { return seq_->capacity(); }

@@ -333,6 +333,9 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.dims().vocab; })
       .def_property_readonly("threads", &Engine::threads)
       .def_property_readonly("backend", &Engine::backend)
+      .def_property_readonly("syncs", &Engine::syncs,
+                             "How often the host has waited for the backend's device so far "
+                             "(0 on the CPU): a round's count is the difference.")
       .def("memory", [](const Engine& e) {
         py::dict d;
         d["weights_bytes"] = e.weight_bytes();

@@ -14,6 +14,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 
 #include "backend.h"
@@ -186,6 +187,31 @@ void bind_backend_ops(py::module_& m) {
         o.be().copy(out, a, x.size());
         return shaped(o.get(out, x.size()), x);
       }, py::arg("x"), "a copy through the backend's device copy")
+      .def("top_k_rows", [](BackendOps& o, py::handle x_obj, int k) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
+        F32 x = as_f32(x_obj, "x", {-1, -1}, false);  // NaN and -inf rows have their rules
+        const int rows = int(x.shape(0)), cols = int(x.shape(1));
+        SW_CHECK(rows >= 1 && cols >= 1, "top_k_rows of an empty array");
+        Act a = o.put(B::kLogits, x.data(), x.size());
+        Act out = o.be().scratch(B::kDraftPick, size_t(2) * rows * k);
+        o.be().top_k_rows(a, rows, cols, k, out, out + size_t(rows) * k);
+        const std::vector<float> got = o.get(out, size_t(2) * rows * k);
+        py::array_t<int32_t> ids({rows, k});
+        py::array_t<float> vals({rows, k});
+        std::memcpy(ids.mutable_data(), got.data(), size_t(rows) * k * 4);  // int32 bits
+        std::memcpy(vals.mutable_data(), got.data() + size_t(rows) * k, size_t(rows) * k * 4);
+        return py::make_tuple(ids, vals);
+      }, py::arg("x"), py::arg("k"), "(ids, values) [rows, k]: each row's k best, best first")
+      .def("logsumexp_rows", [](BackendOps& o, py::handle x_obj) {
+        Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
+        F32 x = as_f32(x_obj, "x", {-1, -1});
+        const int rows = int(x.shape(0)), cols = int(x.shape(1));
+        SW_CHECK(rows >= 1 && cols >= 1, "logsumexp_rows of an empty array");
+        Act a = o.put(B::kLogits, x.data(), x.size());
+        Act out = o.be().scratch(B::kDraftPick, size_t(rows));
+        o.be().logsumexp_rows(a, rows, cols, out);
+        return to_array(o.get(out, size_t(rows)), -1, rows);
+      }, py::arg("x"))
       .def("silu_mul", [](BackendOps& o, py::handle x_obj, py::handle u_obj) {
         Exclusive::Use use(o.exclusive, kOpsBusy, kOpsReentered);
         F32 x = as_f32(x_obj, "x", {-1}), u = as_f32(u_obj, "u", {x.shape(0)});

@@ -156,20 +156,25 @@ std::vector<float> Engine::prefill(const std::vector<int>& tokens, bool all_rows
   }
 }
 
-void Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P,
-                            std::vector<float>* out, std::vector<float>* hidden) {
-  std::vector<float> rows;
+Act Engine::prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P,
+                           std::vector<float>* out, std::vector<float>* hidden) {
+  std::vector<float> rows, none;
   const int T = int(tokens.size());
+  Act y{};
   for (int c0 = 0; c0 < T; c0 += kPrefillChunk) {
     const int n = std::min(kPrefillChunk, T - c0);
     const BatchLayout lay = prefill_layout(P + c0, n);
     const bool last = c0 + n == T;
     const int from = all_rows ? 0 : (last ? n - 1 : n);
     be_->set_threads(forward_threads(n));
-    fwd_.run(*be_, tokens.data() + c0, lay, from, out, hidden ? &rows : nullptr);
+    // a chunk before the last downloads its (no) logits all the same: a device backend's
+    // download is the sync point after which the next forward's inputs may be written
+    y = fwd_.run(*be_, tokens.data() + c0, lay, from, last || out ? out : &none,
+                 hidden ? &rows : nullptr);
     if (hidden) hidden->insert(hidden->end(), rows.begin(), rows.end());
     be_->set_length(P + c0 + n);
   }
+  return y;
 }
 
 BatchLayout Engine::verify_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const {
@@ -344,6 +349,35 @@ int Engine::max_draft_prefix() const {
 
 std::vector<float> Engine::draft_chain(int root, int rows, double temperature, uint64_t seed,
                                        std::vector<int>* chain, const std::vector<int>& prefix) {
+  std::vector<float> out;  // rows appended as they come (not zeroed first: 128 KiB a chain)
+  out.reserve(size_t(rows) * dims_.vocab);
+  chain_rows(root, rows, temperature, seed, chain, prefix, &out, nullptr);
+  return out;
+}
+
+int rank_row_on_backend(Backend& be, Act y, int V, int k, std::vector<int>* ids,
+                        std::vector<double>* logp) {
+  Act pick = be.scratch(Forward::kDraftPick, size_t(2 * k + 1));
+  be.top_k_rows(y, 1, V, k, pick, pick + size_t(k));
+  be.logsumexp_rows(y, 1, V, pick + size_t(2 * k));
+  std::vector<float> got(size_t(2 * k + 1));
+  be.download(pick, got.size(), got.data());
+  const double lse = got[size_t(2 * k)];
+  int first = 0;
+  for (int j = 0; j < k; ++j) {
+    int id;
+    std::memcpy(&id, &got[size_t(j)], sizeof id);  // int32 bits (backend.h)
+    const bool ok = id >= 0;  // fewer than k ids that are not NaN
+    if (j == 0) first = ok ? id : 0;  // argmax's answer for a row of NaNs
+    ids->push_back(ok ? id : 0);
+    logp->push_back(ok ? double(got[size_t(k + j)]) - lse : -INFINITY);
+  }
+  return first;
+}
+
+void Engine::chain_rows(int root, int rows, double temperature, uint64_t seed,
+                        std::vector<int>* chain, const std::vector<int>& prefix,
+                        std::vector<float>* out, Ranked* ranked) {
   Use use(*this);
   join_fold();
   if (!prefix.empty()) check_tokens(prefix);
@@ -370,19 +404,18 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   // state as pending ones, as keep_draft's rows do.
   be_->save_gdn();
   const bool keep = be_->keeps_rows();
-  std::vector<float> out;  // rows appended as they come (not zeroed first: 128 KiB a chain)
-  out.reserve(size_t(rows) * V);
   try {
     int tok = root;
     for (int r = 0; r < rows; ++r) {
       std::vector<int> toks = r == 0 ? prefix : std::vector<int>{};
       toks.push_back(tok);
-      prefill_chunks(toks, false, r == 0 ? P : R + r, &out);
+      const Act y = prefill_chunks(toks, false, r == 0 ? P : R + r, out);
       for (int i = 0; keep && r == 0 && i < np; ++i) be_->keep_row(i, i);
       draft_tokens_.push_back(tok);
       if (keep) be_->keep_row(np + r, int(toks.size()) - 1);
-      tok = draft_pick(out.data() + size_t(r) * V, V, temperature, seed, uint64_t(R + r + 1),
-                       kDraftSampleTop);
+      tok = ranked ? rank_row_on_backend(*be_, y, V, ranked->k, &ranked->ids, &ranked->logp)
+                   : draft_pick(out->data() + size_t(r) * V, V, temperature, seed,
+                                uint64_t(R + r + 1), kDraftSampleTop);
       if (chain) chain->push_back(tok);
     }
   } catch (...) {
@@ -398,7 +431,6 @@ std::vector<float> Engine::draft_chain(int root, int rows, double temperature, u
   draft_prefix_ = np;
   be_->set_length(R);
   if (np) drop_hidden();
-  return out;
 }
 
 int Engine::keep_draft(const std::vector<int>& tokens) {
@@ -441,7 +473,15 @@ void Engine::draft_candidates(int root, int rows, int k, double temperature, uin
       pre.clear();
     }
   }
-  std::vector<int> chain;  // draft_chain checks root and rows
+  std::vector<int> chain;  // chain_rows checks root and rows
+  if (temperature <= 0.0 && k <= Backend::kMaxTopK) {
+    // greedy: each row's pick and candidates come from the backend, the logits stay there
+    Ranked ranked{k, {}, {}};
+    chain_rows(root, rows, temperature, seed, &chain, pre, nullptr, &ranked);
+    ids->swap(ranked.ids);
+    logp->swap(ranked.logp);
+    return;
+  }
   const std::vector<float> z = draft_chain(root, rows, temperature, seed, &chain, pre);
   rank_draft_rows(z.data(), rows, V, k, chain, ids, logp);
 }

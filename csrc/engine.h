@@ -1,4 +1,4 @@
-// The Engine of DESIGN.md: committed state (paged KV + GDN layers) and the three calls
+// The Engine of docs/design.md: committed state (paged KV + GDN layers) and the three calls
 // prefill / verify / commit, plus snapshots of the committed state.
 #pragma once
 #include <atomic>
@@ -24,6 +24,12 @@ int draft_pick(const float* row, int V, double temperature, uint64_t seed, uint6
 // with their log-probabilities under the row's softmax; ids and logp [rows][k].
 void rank_draft_rows(const float* z, int rows, int V, int k, const std::vector<int>& chain,
                      std::vector<int>* ids, std::vector<double>* logp);
+// A greedy row ranked where its logits y [V] are (Backend::top_k_rows and logsumexp_rows, one
+// download of 2k + 1 values, no host pass over the vocabulary): its k candidates appended to
+// ids and logp as rank_draft_rows gives them (the log-sum-exp in float), and the pick, the
+// first of them (the first max, as argmax). k <= Backend::kMaxTopK.
+int rank_row_on_backend(Backend& be, Act y, int V, int k, std::vector<int>* ids,
+                        std::vector<double>* logp);
 
 // What the sequences of one model share (Engine::new_sequence): its dims, its weights and
 // their identity. Immutable once built.
@@ -73,7 +79,7 @@ class Engine {
   ~Engine();
   // Self-draft: logits [rows][V] along the chain root, a1, a2, ... where a(r+1) is picked from
   // row r: its argmax (ties: lower id) at temperature 0, else the keyed Gumbel-max sample of
-  // the sampler (DESIGN.md: noise keyed by (seed, position, id)) among the row's
+  // the sampler (docs/design.md: noise keyed by (seed, position, id)) among the row's
   // kDraftSampleTop best ids, so a draft close to the target proposes the target's own sample.
   // Row r equals verify(chain[0..r])[r] bitwise; committed state unchanged. One call instead
   // of `rows` chain verifies of growing length. `chain` (if given) receives a1..a(rows).
@@ -140,6 +146,7 @@ class Engine {
   const std::string backend() const { return be_->name(); }
   const ModelWeights& weights() const { return weights_; }
   size_t kv_bytes_used() const;
+  int64_t syncs() const { return be_->syncs(); }
   size_t gdn_state_bytes() const;
   int threads() const { return threads_; }
 
@@ -166,7 +173,16 @@ class Engine {
   // verify()'s checks of a tree and its layout at the current position
   BatchLayout verify_layout(const std::vector<int>& tokens, const std::vector<int>& parents) const;
   // Appends the logits prefill(tokens, all_rows) returns to *out.
-  void prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out,
+  // a draft chain's rows ranked on the backend (rank_row_on_backend): [rows][k] ids and logp
+  struct Ranked {
+    int k;
+    std::vector<int> ids;
+    std::vector<double> logp;
+  };
+  // draft_chain's loop: each row's logits appended to *out, or (greedy) ranked into *ranked
+  void chain_rows(int root, int rows, double temperature, uint64_t seed, std::vector<int>* chain,
+                  const std::vector<int>& prefix, std::vector<float>* out, Ranked* ranked);
+  Act prefill_chunks(const std::vector<int>& tokens, bool all_rows, int P, std::vector<float>* out,
                       std::vector<float>* hidden = nullptr);
   void drop_hidden();  // the committed state moved without hidden rows: start past the gap
   // Threads for a forward of `rows` tokens: one while its whole work is below kForwardRegions

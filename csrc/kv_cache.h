@@ -2,7 +2,7 @@
 //
 // A page holds `page_size` consecutive positions for every layer and KV head, laid out
 // [layer][kv_head][slot][dim] so one head's keys in a page are contiguous. Int8 storage keeps
-// one fp32 scale per 32 dims (DESIGN.md "Int8 KV pages"); f32 storage exists for parity tests.
+// one fp32 scale per 32 dims (docs/design.md "Int8 KV pages"); f32 storage exists for parity tests.
 #pragma once
 #include <cstdint>
 #include <memory>

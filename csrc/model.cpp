@@ -179,10 +179,10 @@ void Forward::attn_mixer(Backend& be, int l, int a, Act h, const Rows& r, Act ou
 
 namespace sapwood {
 
-void Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
-                  std::vector<float>* logits, std::vector<float>* hidden) {
+Act Forward::run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
+                 std::vector<float>* logits, std::vector<float>* hidden) {
   const std::vector<SeqRows> one{{&be, &lay}};
-  forward(be, tokens, Rows{lay.n, lay.pos, one}, logit_from, logits, hidden);
+  return forward(be, tokens, Rows{lay.n, lay.pos, one}, logit_from, logits, hidden);
 }
 
 void Forward::run_forest(Backend& ops, const std::vector<SeqRows>& parts, const int* tokens,
@@ -196,8 +196,8 @@ void Forward::run_forest(Backend& ops, const std::vector<SeqRows>& parts, const 
   forward(ops, tokens, Rows{int(pos.size()), pos, parts}, 0, logits, hidden);
 }
 
-void Forward::forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
-                      std::vector<float>* logits, std::vector<float>* hidden) {
+Act Forward::forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
+                     std::vector<float>* logits, std::vector<float>* hidden) {
   const int n = r.n, H = d_.hidden;
   const size_t nh = size_t(n) * H;
   Act x = be.scratch(kX, nh);
@@ -217,9 +217,12 @@ void Forward::forward(Backend& be, const int* tokens, const Rows& r, int logit_f
   }
   Act y = be.scratch(kLogits, size_t(m) * d_.vocab);
   be.matmul(h, m, {{&w_.head(), y}});
-  const size_t at = logits->size();
-  logits->resize(at + size_t(m) * d_.vocab);
-  be.download(y, size_t(m) * d_.vocab, logits->data() + at);
+  if (logits) {
+    const size_t at = logits->size();
+    logits->resize(at + size_t(m) * d_.vocab);
+    be.download(y, size_t(m) * d_.vocab, logits->data() + at);
+  }
+  return y;
 }
 
 void Forward::run_layers(Backend& be, Act x, const BatchLayout& lay) {

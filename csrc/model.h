@@ -88,7 +88,7 @@ struct SeqRows {
   const BatchLayout* lay;
 };
 
-// The forward pass of DESIGN.md, written once over the backend's op list and state.
+// The forward pass of docs/design.md, written once over the backend's op list and state.
 class Forward {
  public:
   Forward(const ModelDims& d, const ModelWeights& w) : d_(d), w_(w) {}
@@ -98,8 +98,10 @@ class Forward {
   // ([n - logit_from][V]) to *logits: a draft chain collects its rows in one buffer.
   // `hidden` (if given) receives the final-normed rows [n][H] (what the LM head reads), for
   // drafters that read the target's hidden states (the MTP head); the logits are the same bits.
-  void run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
-           std::vector<float>* logits, std::vector<float>* hidden = nullptr);
+  // Returns the logits rows in the backend's memory (kLogits, until the next forward); with
+  // logits null they stay there, not downloaded: the caller's next download is the sync point.
+  Act run(Backend& be, const int* tokens, const BatchLayout& lay, int logit_from,
+          std::vector<float>* logits, std::vector<float>* hidden = nullptr);
   // The decoder layers alone over rows x [n][H] (in place), RoPE at lay.pos: what run() does
   // between the embedding and the final norm (the MTP head feeds its own rows in).
   void run_layers(Backend& be, Act x, const BatchLayout& lay);
@@ -108,7 +110,7 @@ class Forward {
   // of every part's backend (Backend::new_sequence), over all rows at once, so each weight
   // matrix is read once for all of them; each part's attention and GDN layers run over its own
   // state and layout, so rows of different parts never see each other. The matmuls are
-  // row-independent (DESIGN.md "Exactness"): a part's logits [n][V] (appended in part order to
+  // row-independent (docs/design.md "Exactness"): a part's logits [n][V] (appended in part order to
   // *logits, [total][V]) and hidden rows are the bits run() gives it alone.
   void run_forest(Backend& ops, const std::vector<SeqRows>& parts, const int* tokens,
                   std::vector<float>* logits, std::vector<float>* hidden = nullptr);
@@ -117,7 +119,7 @@ class Forward {
   // time; fresh buffers per forward cost malloc, free and zeroing); every buffer is written in
   // full before it is read.
   enum Buf { kX, kH, kMix, kGate, kUp, kQKV, kZ, kBA, kBeta, kDecay, kO, kQG, kQ, kAttGate,
-             kAtt, kRope, kLogits, kForestK, kForestV, kBufs };
+             kAtt, kRope, kLogits, kForestK, kForestV, kDraftPick, kBufs };
 
  private:
   // The rows of one forward: n in all, at positions pos, split into parts (one for run()).
@@ -126,8 +128,8 @@ class Forward {
     const std::vector<int>& pos;
     const std::vector<SeqRows>& parts;
   };
-  void forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
-               std::vector<float>* logits, std::vector<float>* hidden);
+  Act forward(Backend& be, const int* tokens, const Rows& r, int logit_from,
+              std::vector<float>* logits, std::vector<float>* hidden);
   void layers(Backend& be, Act x, const Rows& r);
   void gdn_mixer(Backend& be, int l, int g, Act h, const Rows& r, Act out);
   void attn_mixer(Backend& be, int l, int a, Act h, const Rows& r, Act out);

@@ -59,8 +59,8 @@ void MtpHead::check_rows(const std::vector<float>& hidden, const std::vector<int
            " floats, expected ", tokens.size(), " rows of ", dims_.hidden);
 }
 
-void MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_from,
-                      std::vector<float>* logits, std::vector<float>* out_hidden) {
+Act MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_from,
+                     std::vector<float>* logits, std::vector<float>* out_hidden) {
   const int P = position(), H = dims_.hidden, V = dims_.vocab;
   const size_t nh = size_t(n) * H;
   const BatchLayout lay = prefill_layout(P, n);
@@ -69,6 +69,7 @@ void MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_f
   Backend& be = *be_;
   be.set_threads(threads_for((long long)n * macs / 128, threads_));
   be.reserve(P + n);
+  Act z{};
   try {
     Act e = be.scratch(Forward::kH, nh), h = be.scratch(Forward::kMix, nh);
     be.embed(target_.embed, tokens, n, e);
@@ -87,16 +88,19 @@ void MtpHead::forward(const float* hidden, const int* tokens, int n, int logit_f
       out_hidden->resize(size_t(m) * H);
       be.download(y, size_t(m) * H, out_hidden->data());
     }
-    Act z = be.scratch(Forward::kLogits, size_t(m) * V);
+    z = be.scratch(Forward::kLogits, size_t(m) * V);
     be.matmul(y, m, {{&target_.head(), z}});
-    const size_t at = logits->size();
-    logits->resize(at + size_t(m) * V);
-    be.download(z, size_t(m) * V, logits->data() + at);
+    if (logits) {
+      const size_t at = logits->size();
+      logits->resize(at + size_t(m) * V);
+      be.download(z, size_t(m) * V, logits->data() + at);
+    }
   } catch (...) {
     be.truncate(P);
     throw;
   }
   be.set_length(P + n);
+  return z;
 }
 
 std::vector<float> MtpHead::prefill(const std::vector<float>& hidden, const std::vector<int>& tokens,
@@ -122,17 +126,22 @@ void MtpHead::draft(const std::vector<float>& hidden, const std::vector<int>& to
   const int n = int(tokens.size()), V = dims_.vocab, L = position() + n;  // L: after the commit
   SW_CHECK(rows >= 1 && L + rows - 1 <= max_context_, "MTP draft: ", rows, " rows after position ",
            L, " (max_context ", max_context_, ")");
+  // greedy: each row's pick and candidates come from the backend, its logits stay there
+  const bool on_backend = temperature <= 0.0 && k <= Backend::kMaxTopK && k <= V && !logits;
   std::vector<float> z, h, h2;
-  z.reserve(size_t(rows) * V);
-  forward(hidden.data(), tokens.data(), n, n - 1, &z, &h);  // commits the target's rows
+  std::vector<float>* zs = on_backend ? nullptr : &z;
+  if (!on_backend) z.reserve(size_t(rows) * V);
+  if (on_backend) ids->clear(), logp->clear();
+  Act y = forward(hidden.data(), tokens.data(), n, n - 1, zs, &h);  // commits the target's rows
   std::vector<int> chain;
   try {
     for (int r = 0; r < rows; ++r) {
-      const int pick = draft_pick(z.data() + size_t(r) * V, V, temperature, seed,
-                                  key_position + uint64_t(r), Engine::kDraftSampleTop);
+      const int pick = on_backend ? rank_row_on_backend(*be_, y, V, k, ids, logp)
+                                  : draft_pick(z.data() + size_t(r) * V, V, temperature, seed,
+                                               key_position + uint64_t(r), Engine::kDraftSampleTop);
       chain.push_back(pick);
       if (r + 1 < rows) {  // the next row: this row's output hidden and its pick, one later
-        forward(h.data(), &pick, 1, 0, &z, &h2);
+        y = forward(h.data(), &pick, 1, 0, zs, &h2);
         h.swap(h2);
       }
     }
@@ -141,6 +150,7 @@ void MtpHead::draft(const std::vector<float>& hidden, const std::vector<int>& to
     throw;
   }
   be_->truncate(L);
+  if (on_backend) return;
   rank_draft_rows(z.data(), rows, V, std::min(k, V), chain, ids, logp);
   if (logits) logits->swap(z);
 }

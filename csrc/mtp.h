@@ -84,9 +84,10 @@ class MtpHead {
   Exclusive exclusive_;
 
   // One forward over rows committed as they go (positions from position()); logits of rows
-  // [logit_from, n) appended to *logits, their output hidden rows to *out_hidden.
-  void forward(const float* hidden, const int* tokens, int n, int logit_from,
-               std::vector<float>* logits, std::vector<float>* out_hidden);
+  // [logit_from, n) appended to *logits (null: left in the backend, returned), their output
+  // hidden rows to *out_hidden.
+  Act forward(const float* hidden, const int* tokens, int n, int logit_from,
+              std::vector<float>* logits, std::vector<float>* out_hidden);
   void check_rows(const std::vector<float>& hidden, const std::vector<int>& tokens) const;
 
   const ModelWeights& target_;  // embedding table and LM head

@@ -1,4 +1,4 @@
-// The keyed sampler of DESIGN.md ("Sampling keyed by (seed, position, id)"), as
+// The keyed sampler of docs/design.md ("Sampling keyed by (seed, position, id)"), as
 // python/sapwood/reference/sampling.py defines it bit for bit, without sorting the vocabulary:
 // top-k and top-p by selection, the Gumbel noise computed only for ids that could still win.
 #pragma once
@@ -50,7 +50,7 @@ template <class T>
 void sample_rows(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
                  int64_t* out, int threads = 0, const uint32_t* mask = nullptr);
 
-// The walk of a verified tree (DESIGN.md "Exactness"): from the root, the pick at each node
+// The walk of a verified tree (docs/design.md "Exactness"): from the root, the pick at each node
 // (sample_rows at that node's position, base_position + depth + 1, penalties counting the
 // history and the path's tokens through that node), then the child carrying it (the lowest
 // such node), until a node has none. logits [n][V] of tokens/parents; `masks` (null: none)

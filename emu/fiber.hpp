@@ -1,4 +1,4 @@
-// A threadgroup as cooperative fibers: the emulator's scheduler (DESIGN.md "Keeping GPU kernels
+// A threadgroup as cooperative fibers: the emulator's scheduler (docs/design.md "Keeping GPU kernels
 // correct without the GPU").
 //
 // Every GPU thread of one threadgroup runs as a fiber on its own small stack, all on one OS

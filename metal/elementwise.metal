@@ -1,4 +1,4 @@
-// Elementwise and gather ops of the forward (DESIGN.md "The model"): embedding rows in every
+// Elementwise and gather ops of the forward (docs/design.md "The model"): embedding rows in every
 // weight format, the residual add, the SiLU / sigmoid gates, the q|gate split, rotary, the GDN
 // gates and the KV tape's row gather.
 //

@@ -1,4 +1,4 @@
-// Pathwise Gated DeltaNet (DESIGN.md "Pathwise GDN", "Exactness").
+// Pathwise Gated DeltaNet (docs/design.md "Pathwise GDN", "Exactness").
 //
 // gdn_conv   one simdgroup per (node, head unit): a unit is a q head, a k head or a v head of
 //            the mixed channels. Causal depthwise conv along the node's path (taps reach into

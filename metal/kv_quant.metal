@@ -1,4 +1,4 @@
-// Int8 KV quantize-and-store (DESIGN.md "Int8 KV pages"): per token and KV head, each group of
+// Int8 KV quantize-and-store (docs/design.md "Int8 KV pages"): per token and KV head, each group of
 // 32 dims shares one fp32 scale = amax / 127, q = clamp(rint(x / scale), -127, 127), scale 0 ->
 // all 0. One threadgroup per (token, KV head) with one thread per dim, so a 32-dim group is
 // exactly one simdgroup and its amax is one simd_max. Bitwise equal to reference/kv.py: the

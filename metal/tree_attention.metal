@@ -1,4 +1,4 @@
-// Tree attention over int8 KV pages, split-K (DESIGN.md "Tree attention", "Exactness").
+// Tree attention over int8 KV pages, split-K (docs/design.md "Tree attention", "Exactness").
 //
 // tree_attn_partial: one threadgroup per (chunk of `split` absolute positions, KV head). Every
 // (tree row, query head of this KV head) pair is carried by one simdgroup; all pairs share each

@@ -7,12 +7,13 @@ GPU backend (metal-emulated and sycl-emulated everywhere, metal / sycl where bui
 through _core.BackendOps: the Backend itself, over a small irregular model's weights loaded as
 the engine loads them (dk != dv, Hv = 3 Hk, widths that are no multiple of the kernels' blocks),
 so a GPU backend's argument binding, layouts and grids are what is tested, not just its kernels.
-The drafting ops (argmax, top-k, logsumexp over logits) run on the host's kernels for every
-backend today; they are checked here per CPU variant and as the device kernels a GPU backend
-has for them.
+The drafting ops over logits: top-k and logsumexp are backend ops (a greedy draft row is
+ranked where its logits are), checked through BackendOps like the others; argmax and the
+selections the sampler uses run on the host's kernels, checked per CPU variant and as the
+device kernels a GPU backend has for them.
 
 Tolerances are stated per test; `==` where the op rounds no more than its reference does.
-Within a backend, DESIGN.md's exactness is asserted with `==`: a row's matmul result does not
+Within a backend, docs/design.md's exactness is asserted with `==`: a row's matmul result does not
 depend on the other rows, a tree node's attention and GDN output equal the chain's on its path.
 """
 from __future__ import annotations
@@ -352,6 +353,37 @@ def test_forward_refuses_bad_input(checkpoint, backend):
 
 
 # ---------------------------------------------------------------- drafting over logits
+
+@pytest.mark.parametrize("cols", [7, 300, 4096])
+def test_top_k_rows_op(checkpoint, backend, rng, cols):
+    """Backend::top_k_rows: ids `==` the reference (an equal value's lower id first, NaN never,
+    -1 where fewer qualify) and values `==` the row's at them (0 where -1)."""
+    ops_ = make_ops(checkpoint, backend)
+    x = logit_rows(rng, cols)
+    for k in sorted({1, 3, min(16, cols)}):
+        with on(backend):
+            ids, vals = ops_.top_k_rows(x, k)
+        want = ops.top_k_rows(x, k)
+        assert ids.tolist() == want.tolist(), k
+        at = np.where(want >= 0, x[np.arange(len(x))[:, None], np.maximum(want, 0)], 0)
+        assert vals.tolist() == at.tolist()
+    with pytest.raises(ValueError, match="top_k_rows: k=17"):
+        ops_.top_k_rows(x, 17)
+
+
+@pytest.mark.parametrize("cols", [1, 300, 151936])
+def test_logsumexp_rows_op(checkpoint, backend, rng, cols):
+    """Backend::logsumexp_rows against float64, the bound of test_logsumexp (the CPU's double
+    result rounded to float adds half an ulp of the result)."""
+    ops_ = make_ops(checkpoint, backend)
+    x = f32(rng, 16 if cols < 10000 else 2, cols, scale=3)
+    x[0] *= 10
+    with on(backend):
+        got = ops_.logsumexp_rows(x)
+    want = np.array([logsumexp(r) for r in x])
+    bound = (cols / 256 + 24) * U + 11 * U * np.abs(want)
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want)
+
 
 class Drafting:
     """argmax / top-k / logsumexp per row: the CPU variant's kernels, or a GPU device's."""

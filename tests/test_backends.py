@@ -1,11 +1,11 @@
 """Whole models on every GPU backend this build has (metal-emulated everywhere; sycl-emulated and
-real devices where built), against the CPU engine and transformers (DESIGN.md "Backends").
+real devices where built), against the CPU engine and transformers (docs/design.md "Backends").
 
 Tiny checkpoints with an irregular layer pattern, dk != dv and Hv = 3 Hk. Within a backend the
 exactness rule holds bitwise (tree == chain == plain; generation identical across verify modes
 and drafters); across backends logits agree within a stated tolerance. The tolerances: fp32
 weights, int8 KV on both sides; the GPU kernels sum in their own fixed orders (lane-strided fma
-folded by simd_sum, DESIGN.md), so activations differ from the CPU's by float rounding
+folded by simd_sum, docs/design.md), so activations differ from the CPU's by float rounding
 (~1e-6 relative), which can move an int8 KV value by one step; the bound is 2e-3 of the logit
 scale for f32 and bf16 weights (measured on metal-emulated: f32 5e-6, bf16 3e-5). q8 and q4
 quantize activations to int8 per row: a float difference that moves one activation across a
@@ -176,3 +176,40 @@ def test_cli_generate_on_the_backend(ckpt, backend, capsys):
     assert out["tokens"] == sapwood.load(ckpt, backend=backend).generate("abc", max_tokens=8).tokens
     assert main(argv[:-1] + ["no-such-backend"]) == 1
     assert "unknown backend" in capsys.readouterr().err
+
+
+def test_greedy_draft_rows_ranked_on_the_backend(ckpt, backend):
+    """A greedy draft row is ranked where its logits are (Backend::top_k_rows, logsumexp_rows):
+    the same ids as ranking the chain's downloaded logits on the host (`==`: selections over
+    the same bits), log-probabilities within float32 rounding of the row's log-sum-exp."""
+    e = sapwood.load(ckpt, weights="q8", backend=backend).engine
+    e.prefill(np.arange(3, 40).tolist())
+    ids, logp = e.draft_candidates(7, 6, 4)
+    z = e.draft_chain(7, 6).astype(np.float64)
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    want = np.array([np.argsort(-row, kind="stable")[:4] for row in z])
+    assert ids.tolist() == want.tolist()
+    assert np.abs(logp - (np.take_along_axis(z, want, 1) - lse[:, None])).max() < 1e-5
+
+
+def test_syncs_per_round(ckpt, backend):
+    """The host waits for the device once per forward: a greedy draft chain of R rows waits R
+    times (each row's pick and candidates, 2k + 1 values, are its download; the next row's
+    inputs are written after it), a round's verify_walk twice (the logits the walk reads, then
+    the commit), a plain round's likewise; saving and restoring the GDN state around the
+    chain add none (nothing is queued by then)."""
+    e = sapwood.load(ckpt, weights="q8", backend=backend).engine
+    e.prefill(np.arange(3, 40).tolist())
+    counts = []
+    for rows in (1, 4, 7):
+        s = e.syncs
+        e.draft_candidates(7, rows, 4)
+        counts.append(e.syncs - s)
+    assert counts == [1, 4, 7]
+    s = e.syncs
+    e.verify_walk([7, 8, 9, 10], [-1, 0, 1, 1])
+    assert e.syncs - s == 2
+    s = e.syncs
+    e.verify_walk([11], [-1])
+    assert e.syncs - s == 2
+    assert sapwood.load(ckpt, weights="q8").engine.syncs == 0  # the CPU never waits

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sapwood.benchmarks.ab import block_verdict, run_ab
+from sapwood.benchmarks.common import ratio_text
 from sapwood.benchmarks.width import accepted_by_width
 from sapwood.cli import main
 from sapwood.testing import make_tiny_checkpoint
@@ -56,6 +57,29 @@ def test_ab_command_writes_every_block(ckpt, tmp_path, capsys):
     assert "tokens" not in res["per_prompt"][0]["blocks"][0]["samples"]["A"][0]
     assert res["revision"] and res["model"]["files"]
     assert "sha256" in capsys.readouterr().out
+
+
+def test_ab_names_its_arms_and_every_ratios_direction(ckpt, tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    assert main(["bench", "ab", "--model", str(ckpt), "--a", "verify=off",
+                 "--b", "verify=chain,drafter=lookup", "--prompts", "2", "--max-tokens", "6",
+                 "--blocks", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    s = json.loads(out.read_text())["summary"]
+    assert "A = verify=off\nB = verify=chain,drafter=lookup\n" in printed
+    assert printed.count("B/A first-token time") == 1  # one summary table
+    for what, r, up, down in [("tokens/s", s["geomean_tok_s_ratio"], "faster", "slower"),
+                              ("decode tokens/s", s["geomean_decode_tok_s_ratio"], "faster", "slower"),
+                              ("time to first token", s["geomean_ttft_ratio"], "later", "sooner")]:
+        assert f"B/A {what} x{r:.3f}: B {up if r > 1 else down}" in printed
+
+
+def test_ratio_text_spells_out_the_direction():
+    assert ratio_text("tokens/s", 1.12) == "B/A tokens/s x1.120: B faster"
+    assert ratio_text("tokens/s", 0.9) == "B/A tokens/s x0.900: B slower"
+    assert ratio_text("time to first token", 1.1, time=True).endswith("B later")
+    assert ratio_text("time to first token", 0.8, time=True).endswith("B sooner")
+    assert ratio_text("tokens/s", 1.0).endswith("the same")
 
 
 def test_ab_across_processes_keeps_every_process(ckpt, tmp_path, capsys):
@@ -157,6 +181,32 @@ def test_width_command(ckpt, tmp_path):
     assert all(len(v) == 2 for v in res["first_request"].values())
     assert all(len(d["first_request_fixed_tokens_per_s"]) == 2 and d["fresh_fixed_ratio"] > 0
                for d in res["depths"])
+
+
+def test_width_labels_depths_as_asked_and_honours_max_width(ckpt, tmp_path, capsys):
+    """The tiny model drafting for itself accepts every row: before, the rule's chains reached
+    9 nodes with --max-width 3, and depth 0 was reported as 1."""
+    out = tmp_path / "w.json"
+    assert main(["bench", "width", "--model", str(ckpt), "--depths", "0", "8",
+                 "--max-width", "3", "--max-tokens", "12", "--drafter", str(ckpt), "--reps", "2",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [d["depth"] for d in res["depths"]] == [0, 8]
+    assert [d["context_tokens"] for d in res["depths"]] == [1, 8]
+    widths = [w for d in res["depths"] for w in d["rule_widths"]]
+    assert widths and max(widths) >= 2 and all(1 <= w <= 3 for w in widths)
+    printed = capsys.readouterr().out
+    assert printed.count("depth (tokens)") == 1  # one summary table
+    rows = printed.split("depth (tokens)")[1].splitlines()[1:3]
+    assert [r.split()[0] for r in rows] == ["0", "8"]
+
+
+@pytest.mark.parametrize("bad, named", [(["--max-width", "1"], "--max-width 1"),
+                                        (["--max-width", "65"], "--max-width 65"),
+                                        (["--depths", "8", "-1"], "--depths -1")])
+def test_width_bad_values_are_named(ckpt, capsys, bad, named):
+    assert main(["bench", "width", "--model", str(ckpt), *bad]) == 1
+    assert named in capsys.readouterr().err
 
 
 def test_peers_command_interleaves_and_reports_missing_peers(ckpt, tmp_path, capsys):

@@ -4,7 +4,7 @@ Random sequences of prefill / verify / commit / draft_chain / draft_candidates /
 reset / snapshot / restore, invalid calls included, run on one engine. A small model of the
 engine's state predicts which calls must succeed; every call that fails must raise ValueError
 or MemoryError. The calls that succeeded form the valid history; at check points a fresh
-engine replays it and the two must give the same logits, compared with `==` (DESIGN.md: logits
+engine replays it and the two must give the same logits, compared with `==` (docs/design.md: logits
 depend only on the committed state and the path), so a failed call that changed anything, a
 reset that left state behind or a restore that kept some shows up as a difference.
 

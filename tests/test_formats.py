@@ -1,6 +1,7 @@
 """Pre-quantized checkpoints (python/sapwood/formats.py): FP8 block-quantized files load as the
 float checkpoint of their dequantized values, bit for bit, streamed; bad files are named."""
 import json
+import re
 import shutil
 
 import numpy as np
@@ -253,14 +254,16 @@ def test_mlx_lm_converter_and_forward(tmp_path):
     assert (default.engine.prefill(ids, True).argmax(1) == want.argmax(1)).all()
 
 
-def test_a_requantizing_load_says_so(fp8_pair, tmp_path):
+def test_a_requantizing_load_says_so(fp8_pair, tmp_path, capsys):
     make_tiny_checkpoint(tmp_path / "float", seed=6)
     write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq")
     for d, what in ((tmp_path / "mlx", "MLX affine 4-bit, groups of 32"),
                     (fp8_pair / "fp8", r"FP8 e4m3 in \[16, 24\] blocks")):
         with pytest.warns(UserWarning, match=r"\d+ " + what + r" tensors are rounded again for "
                                              r"weights='q8'"):
-            sapwood.load(d, quiet=True)
+            sapwood.load(d, quiet=True, verbose=True)
+        # the line saying what loads names the stored format too
+        assert re.search(r"\(\d+ MB " + what + r"\) as weights=q8", capsys.readouterr().err)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")

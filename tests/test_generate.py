@@ -281,9 +281,12 @@ def test_chat_messages_use_the_checkpoint_template(tmp_path):
     b = m.generate(m.encode(text), max_tokens=5, verify="off")
     assert a.tokens == b.tokens
     plain = sapwood.load(tmp_path / "c")
-    plain.chat_template = None
-    with pytest.raises(ValueError, match="no chat template"):
-        plain.generate(msgs, max_tokens=2)
+    plain.chat_template = None  # none: ChatML, with a warning (tests/test_chat_template_rule.py)
+    with pytest.warns(UserWarning, match="no chat template"):
+        got = plain.generate(msgs, max_tokens=5, verify="off")
+    assert got.tokens == plain.generate(plain.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), max_tokens=5,
+        verify="off").tokens
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -5,7 +5,7 @@ real one on a Mac), through _core.gpu_run, against the numpy oracles of python/s
 Tolerances are stated per test: `==` where the op has no rounding beyond what the oracle does
 (copies, gathers, dequantization, selections, q8 / q4 with the CPU's order), an a-priori float32
 error bound where it sums. Row-count independence is asserted with `==`: a row run in a launch of
-16 rows and alone gives the same bits (DESIGN.md "Exactness").
+16 rows and alone gives the same bits (docs/design.md "Exactness").
 """
 from __future__ import annotations
 

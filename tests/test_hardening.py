@@ -3,7 +3,7 @@
 Each test here failed before the fix it names (a crash counts as a failure): snapshots carry
 state only and a model identity, a failed restore changes nothing, reset() is a fresh engine,
 constructor arguments and verify's node count are checked with the value in the message, and
-the KV pool takes memory only as positions are used. Logits are compared with `==` (DESIGN.md:
+the KV pool takes memory only as positions are used. Logits are compared with `==` (docs/design.md:
 the same committed state and path give the same bits).
 """
 import numpy as np

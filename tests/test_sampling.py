@@ -1,4 +1,4 @@
-"""Keyed sampling (DESIGN.md "Sampling keyed by (seed, position, id)"): the hash against an
+"""Keyed sampling (docs/design.md "Sampling keyed by (seed, position, id)"): the hash against an
 independent Python-int implementation, determinism, exact distributions (chi-square, with a control
 that must fail), batching, bad input and penalties."""
 import re

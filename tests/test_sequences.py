@@ -1,7 +1,7 @@
 """Sequences of one model: Engine.new_sequence / Model.new_sequence share one copy of the
 weights, and _core.verify_many verifies several sequences' trees in one forward.
 
-Exactness (DESIGN.md): a sibling's outputs are the bits a separately loaded engine gives, and a
+Exactness (docs/design.md): a sibling's outputs are the bits a separately loaded engine gives, and a
 sequence's logits from verify_many are the bits its own verify() gives (the forward's matmuls are
 row-independent; each sequence's attention and GDN layers read its own state only). Asserted
 with == on the CPU and on metal-emulated.

@@ -134,6 +134,11 @@ def test_chat_keeps_the_sequence_between_turns(model):
         model.chat_template = None
 
 
-def test_chat_needs_a_template(model):
-    with pytest.raises(ValueError, match="no chat template"):
-        chat(model, {}, inp=io.StringIO("hi\n"), out=io.StringIO(), err=io.StringIO())
+def test_chat_without_a_template_writes_chatml(model):
+    """The one chat-template rule (chat_template.template_for): ChatML, with a warning."""
+    out = io.StringIO()
+    opts = dict(max_tokens=6, verify="off")
+    with pytest.warns(UserWarning, match="no chat template"):
+        chat(model, opts, inp=io.StringIO("hi\n"), out=out, err=io.StringIO())
+    want = model.generate([{"role": "user", "content": "hi"}], **opts).text
+    assert out.getvalue() == want + "\n"

@@ -1,5 +1,5 @@
 """The speculation policy (policy.Policy) and its persistence (policy_cache): the admission
-EMA as DESIGN.md states it, the choice of the option with the most expected tokens per second,
+EMA as docs/design.md states it, the choice of the option with the most expected tokens per second,
 the row survival and the plain-or-speculate plan, and the cache file's life."""
 import json
 import warnings
@@ -192,7 +192,7 @@ def test_a_wide_round_drafts_one_row_more_while_the_last_tree_reached_its_deepes
 
 
 def test_wide_rounds_are_taken_unless_they_lose_to_the_chain_rounds_they_replace():
-    """DESIGN.md's EMA admits wide rounds; they are taken unless, over the band's wide rounds,
+    """docs/design.md's EMA admits wide rounds; they are taken unless, over the band's wide rounds,
     a wide round kept fewer tokens than the plan's chain round would have in its time (both
     priced by the band's costs), by plain_sd standard errors, until that evidence decays."""
     pol = with_chances(timed(Policy(), lambda w: 0.01 + 0.001 * w, draft_row=1e-4), [0.6, 0.3])

@@ -1,4 +1,4 @@
-// The device layer of a GPU backend (DESIGN.md "Backends"): the few calls through which the
+// The device layer of a GPU backend (docs/design.md "Backends"): the few calls through which the
 // shared backend code (planning, layouts, argument binding, op order, state) reaches a device.
 // Each GPU API implements it twice: the real API (Metal on macOS, a SYCL queue with icpx/acpp)
 // and the kernel emulator (emu/), which runs the same kernel sources on the CPU, so the shared

@@ -107,7 +107,8 @@ GpuBackend::~GpuBackend() {
   for (auto& g : gdn_)
     for (gpu::Buffer* b : {&g.S, &g.window, &g.window_next, &g.x, &g.node_state}) rel(*b);
   for (gpu::Buffer* b : {&tokens_, &parents_, &anc_, &row_len_, &path_, &ident_, &table_buf_, &xq_,
-                         &xs_, &part_, &kt8_, &kts_, &vt8_, &vts_, &gq_, &gk_, &gv_, &tmp_, &empty_})
+                         &xs_, &part_, &kt8_, &kts_, &vt8_, &vts_, &gq_, &gk_, &gv_, &tmp_, &empty_,
+                         &skip_})
     rel(*b);
 }
 
@@ -126,10 +127,17 @@ void GpuBackend::put(gpu::Buffer* b, const void* src, size_t bytes) {
   std::memcpy(b->host, src, bytes);
 }
 
-void GpuBackend::sync() const { dev_->wait(); }
+// A wait with nothing queued is skipped: the queue is the siblings' (Shared), so is the flag.
+void GpuBackend::sync() const {
+  if (!shared_->pending) return;
+  dev_->wait();
+  shared_->pending = false;
+  ++syncs_;
+}
 
 void GpuBackend::run(const char* kernel, const std::vector<gpu::Arg>& args, gpu::Launch l) {
   dev_->dispatch(dev_->pipeline(kernel), args, l);
+  shared_->pending = true;
 }
 
 gpu::Arg GpuBackend::arg(Act a) {
@@ -231,6 +239,24 @@ void GpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {
   else
     run(m.fmt == WFormat::Q8 ? "embed_rows_q8" : "embed_rows_q4", {buf(tokens_), buf(m.w), buf(m.scale), arg(x), val(p)},
         grid(n, 1, 256));
+}
+
+// rows.metal's drafting kernels: a threadgroup of 256 threads a row; their threadgroup memory
+// is a value and an index per simdgroup (top_k), or SW_LSE_LANES partial sums (logsumexp)
+void GpuBackend::top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) {
+  SW_CHECK(k >= 1 && k <= kMaxTopK && k <= SW_TOPK_MAX && k <= cols, "top_k_rows: k=", k,
+           " (1..", kMaxTopK, ", <= cols ", cols, ")");
+  const std::vector<int> none(size_t(rows), -1);  // no id skipped
+  put(&skip_, none.data(), none.size() * 4);
+  const SwRowsParams p{rows, cols, k, 0.0f};
+  const size_t sg = 256 / 32 * 4;
+  run("top_k_rows", {arg(x), buf(skip_), arg(ids), arg(vals), val(p)}, grid(rows, 1, 256, {sg, sg}));
+}
+
+void GpuBackend::logsumexp_rows(Act x, int rows, int cols, Act out) {
+  const SwRowsParams p{rows, cols, 0, 0.0f};
+  run("logsumexp_rows", {arg(x), arg(out), val(p)},
+      grid(rows, 1, 256, {sizeof(float) * SW_LSE_LANES}));
 }
 
 void GpuBackend::rms_norm(Act x, const std::vector<float>& w, int n, int dim, float eps, Act out) {

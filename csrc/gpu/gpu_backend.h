@@ -49,6 +49,9 @@ class GpuBackend final : public Backend {
   void gdn_gates(Act ba, int n, int hv, const std::vector<float>& neg_exp_a,
                  const std::vector<float>& dt_bias, Act beta, Act g) override;
   void matmul(Act x, int n, std::initializer_list<std::pair<const QMatrix*, Act>> outs) override;
+  void top_k_rows(Act x, int rows, int cols, int k, Act ids, Act vals) override;
+  void logsumexp_rows(Act x, int rows, int cols, Act out) override;
+  int64_t syncs() const override { return syncs_; }
 
   int length() const override { return length_; }
   int capacity() const override { return int(table_.size()) * page_size_; }
@@ -99,6 +102,7 @@ class GpuBackend final : public Backend {
     std::map<const void*, gpu::Buffer> vecs;
     std::vector<gpu::Buffer> conv_w;  // per GDN layer, the kernel's [K][C]
     std::recursive_mutex lock;
+    bool pending = false;  // dispatched since the queue's last wait (by any sibling)
   };
   // a sequence's own state over `shared` (a first sequence then uploads the weights to it)
   GpuBackend(std::shared_ptr<Shared> shared, const ModelDims& d, const ModelWeights& w,
@@ -139,7 +143,8 @@ class GpuBackend final : public Backend {
   std::vector<GDNState> gdn_;
   // per-forward inputs from the host, each written once before the dispatches that read it
   gpu::Buffer tokens_, parents_, anc_, row_len_, path_, ident_, table_buf_, xq_, xs_, part_;
-  gpu::Buffer kt8_, kts_, vt8_, vts_, gq_, gk_, gv_, tmp_, empty_;
+  gpu::Buffer kt8_, kts_, vt8_, vts_, gq_, gk_, gv_, tmp_, empty_, skip_;
+  mutable int64_t syncs_ = 0;  // waits for work this backend's queue had pending
   long forward_ = 0, planned_forward_ = -1;
   SwAttnPlan attn_plan_{};            // this forward's tree-attention plan and rows' lengths
   std::vector<int> row_len_host_;

@@ -1,6 +1,7 @@
 """`sapwood generate --chat`: an interactive multi-turn chat on one Session.
 
-Each turn renders the whole conversation with the checkpoint's chat template; the session
+Each turn renders the whole conversation with the checkpoint's chat template (ChatML, with a
+warning, for a checkpoint without one: chat_template.template_for); the session
 keeps the sequence between turns, so a turn whose rendering extends the tokens the engine holds
 prefills only the new ones (the template may render an earlier reply differently, e.g. without
 its thinking: then the turn prefills the conversation again). Commands: /reset forgets the
@@ -14,9 +15,6 @@ import sys
 
 def chat(model, options: dict, system: str | None = None, inp=None, out=None, err=None) -> int:
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
-    if not model.chat_template:
-        raise ValueError(f"{model.path}: the checkpoint has no chat template, which --chat "
-                         "needs to write the conversation")
     start = [{"role": "system", "content": system}] if system else []
     messages, session = list(start), model.session()
     prompt = "> " if inp.isatty() else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from datetime import datetime
 from functools import lru_cache
 
@@ -18,6 +19,34 @@ import jinja2
 import jinja2.exceptions
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+# ChatML: what Qwen's own templates write and what every Qwen3.5 tokenizer has special tokens
+# for (<|im_start|>, <|im_end|>); the format a template-less checkpoint's messages get.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_warned: set = set()  # the checkpoints already warned about: once each, not once a request
+
+
+def template_for(template: str | None, where) -> str:
+    """The chat template a model's messages are written with: the checkpoint's own, else ChatML
+    with a warning (once per checkpoint). The one rule for Model.apply_chat_template and the
+    server (docs/server.md, "Chat templates"): sapwood loads Qwen3.5 checkpoints only, whose
+    format ChatML is, so a base checkpoint shipped without a template still chats in its own
+    format (llama.cpp falls back to ChatML too; vLLM refuses, which guards model families a
+    guessed format would be wrong for)."""
+    if template:
+        return template
+    key = str(where)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"{key}: the checkpoint has no chat template; chat messages are written "
+                      "as ChatML (<|im_start|>role ... <|im_end|>, Qwen's format). Set "
+                      "model.chat_template (serve: --chat-template FILE) for another format",
+                      stacklevel=3)
+    return CHATML
 
 
 class _TemplateRaised(jinja2.TemplateError):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 # --threads' bound: fixed, so that a command line valid on one machine is valid on every other
 # (os.cpu_count() differs between hosts and, in a container, can be far from the cores granted),
@@ -243,6 +245,27 @@ def cmd_generate(a) -> int:
     return 0
 
 
+class _ToStderr(logging.Handler):
+    def emit(self, record):  # sys.stderr looked up now: the current one (pytest swaps it)
+        print(f"sapwood: {self.format(record)}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _loading_shown():
+    """While a command runs, each load's line (loading.describe_load: files, weights mode, the
+    memory the engine will take) goes to stderr: minutes of silence before a big model's first
+    token look like a hang. The Python API only logs it (sapwood.load(verbose=True) prints)."""
+    lg, h = logging.getLogger("sapwood.loading"), _ToStderr()
+    level = lg.level
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(level)
+
+
 @contextmanager
 def _sigint_ignored():
     try:
@@ -323,17 +346,35 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--model-id {a.model_id!r} and --served-model-name "
                          f"{a.served_model_name[0]!r} disagree: give one")
     a.model_id = a.model_id or (a.served_model_name[0] if a.served_model_name else None)
+    if a.parallel is None:
+        a.parallel, why = server.machine_parallel(a.model, weights=a.weights, kv=a.kv,
+                                                  max_context=a.max_context, threads=a.threads)
+        print(f"sapwood serve: {why}", file=sys.stderr, flush=True)
     st = server.build(a.model, drafter=a.drafter, parallel=a.parallel, max_context=a.max_context,
                       cache_mb=a.cache_mb, max_queue=a.queue, weights=a.weights, kv=a.kv,
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
                       batch_verify=a.batch_verify, max_body_mb=a.max_body_mb,
                       api_key=a.api_key, cors_origins=a.cors_origin or (),
+                      chat_template=_read_chat_template(a.chat_template),
                       reasoning_parser=a.reasoning_parser, aliases=a.served_model_name[1:])
     if a.host not in ("127.0.0.1", "localhost", "::1") and not st.api_key:
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication (--api-key or SAPWOOD_API_KEY sets a key)", file=sys.stderr)
     server.run(st, host=a.host, port=a.port, log_level=a.log_level)
     return 0
+
+
+def _read_chat_template(spec):
+    """--chat-template: "chatml" or a Jinja file (llama.cpp and vLLM take both forms)."""
+    from .chat_template import CHATML
+
+    if spec is None or spec == "chatml":
+        return None if spec is None else CHATML
+    try:
+        return Path(spec).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {spec!r}: not 'chatml' nor a readable template "
+                         f"file ({e.strerror if isinstance(e, OSError) else e})") from None
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -345,9 +386,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--parallel", type=int, default=1,
+    p.add_argument("--parallel", type=int, default=None,
                    help="slots: requests decoded at once (one copy of the weights, a sequence "
-                        "state per slot; see docs/server.md)")
+                        "state per slot; see docs/server.md) (default: the least of the cores "
+                        "// 2 (or --threads), the slots free memory holds, and 4; said at start)")
     p.add_argument("--batch-verify", action="store_true",
                    help="verify the decoding slots' trees in one forward (each weight read once "
                         "for all of them; outputs unchanged; not faster on the CPU hosts measured "
@@ -360,6 +402,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                         "request with more choices than the queue and the slots hold: 400)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="the largest request body accepted, in MiB; a larger one gets 413")
+    p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
+                   help="the Jinja template chat messages are written with, instead of the "
+                        "checkpoint's (default: the checkpoint's; without one, ChatML)")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="split <think>...</think> into reasoning_content: qwen3 always, none "
                         "never, auto when the chat template writes thinking (Qwen3.5's does)")
@@ -497,7 +542,8 @@ def main(argv=None) -> int:
             from .hub import resolve_checkpoint
             a.model = str(resolve_checkpoint(a.model, revision=getattr(a, "revision", None),
                                              download=getattr(a, "download", False)))
-        return a.fn(a)
+        with _loading_shown():
+            return a.fn(a)
     except KeyboardInterrupt:
         return 130
     except Exception as e:

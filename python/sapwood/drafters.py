@@ -268,7 +268,7 @@ class MtpDrafter(_Exclusive):
     Where the target's rows have a gap (a snapshot restored, e.g. generate(cache_prompt=True))
     the head starts over at the first row it has: its positions are then offset, which RoPE's
     relative form leaves nearly alone, but the history before the gap is missing, so drafts
-    there are worse. The output never depends on it (DESIGN.md "Exactness")."""
+    there are worse. The output never depends on it (docs/design.md "Exactness")."""
 
     def __init__(self, model, top_k: int = 4):
         super().__init__()

@@ -7,7 +7,9 @@ what is wrong instead of a crash or garbage logits inside C++.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +23,10 @@ from .config import (FULL, LINEAR, MTP_CONFIG_KEY, ModelConfig, check_mtp_tensor
 from .formats import describe, requantized, stored_matrices, stored_view
 from .memory import check_fits, estimate_config
 from .model import Model
-from .safetensors_io import TensorReader, checkpoint_index, numpy_dtype_name
+from .safetensors_io import (INDEX_FILE, SINGLE_FILE, TensorReader, checkpoint_index,
+                             numpy_dtype_name)
+
+log = logging.getLogger("sapwood.loading")
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 KV_FORMATS = ("int8", "f32")
@@ -346,7 +351,8 @@ def default_target_path() -> Path:
 
 def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", threads=None,
          max_context: int = 4096, policy_cache: bool = True, quiet: bool = False,
-         check_memory: bool = True, revision: str | None = None, download: bool = False) -> Model:
+         check_memory: bool = True, revision: str | None = None, download: bool = False,
+         verbose: bool = False) -> Model:
     """Load a Qwen3.5 (dense, text) checkpoint into a `Model`: an HF-format directory, a hub id
     ("Qwen/Qwen3.5-9B", from the local Hugging Face cache; `download=True` fetches it when the
     network allows; `revision` picks a branch, tag or commit), or "default": the bundled target
@@ -364,14 +370,18 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     quiet: no progress bar (it shows on a terminal for loads over a second).
     check_memory: refuse, before reading any weight, a model whose estimated footprint
     (sapwood.estimate) exceeds the memory available (MemoryError naming both).
+    verbose: print what is loaded (files, weights mode, the memory the engine will take) to
+    stderr, one line a checkpoint; otherwise that line goes to the "sapwood.loading" logger at
+    INFO (the CLI shows it).
     """
     backend = resolve_backend(backend)
     check_args(weights, kv, backend, threads, max_context)
     if isinstance(path, str) and path == "default":  # the bundled pair: target + attached draft
         model = load(_bundled("target"), weights=weights, kv=kv, backend=backend,
-                     threads=threads, max_context=max_context, quiet=quiet)
+                     threads=threads, max_context=max_context, quiet=quiet, verbose=verbose)
         model.draft = load(_bundled("draft"), weights=weights, kv=kv, backend=backend,
-                           threads=threads, max_context=max_context, quiet=quiet)
+                           threads=threads, max_context=max_context, quiet=quiet,
+                           verbose=verbose)
         model.policy_cache = bool(policy_cache)
         return model
     from .hub import resolve_checkpoint
@@ -384,10 +394,12 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
         warnings.warn(f"{ck.path.name}: {again} {ck.stored_format} tensors are rounded again "
                       f"for weights={weights!r} (weights='f32' keeps their values exactly)",
                       stacklevel=2)
+    est = estimate_config(ck.config, weights=weights, kv=kv, max_context=max_context,
+                          stored=ck.stored_matrices)
     if check_memory:
-        check_fits(ck.config, estimate_config(ck.config, weights=weights, kv=kv,
-                                              max_context=max_context,
-                                              stored=ck.stored_matrices), str(ck.path))
+        check_fits(ck.config, est, str(ck.path))
+    _warn_undecodable(ck)
+    _announce(describe_load(ck, est), verbose)
     if not hasattr(_core, "Engine"):
         raise RuntimeError("this build of sapwood._core has no Engine; rebuild sapwood")
     nthreads = 0 if threads is None else threads
@@ -418,10 +430,60 @@ def load(path, *, weights: str = "q8", kv: str = "int8", backend: str = "auto", 
     return model
 
 
+def describe_load(ck: Checkpoint, est) -> str:
+    """One line: the checkpoint, its files, how it is stored and loaded, and the memory the
+    engine will take (memory.py's estimate, what check_memory compares with what is free)."""
+    files = weight_files(ck.path)
+    shown = files[0] if len(files) == 1 else f"{len(files)} shards ({files[0]}, ...)"
+    stored = ck.stored_format or "/".join(sorted({i.dtype for i in ck.weights.infos.values()}))
+    return (f"loading {ck.path} from {shown} ({_size(ck.weights.nbytes)} {stored}) as "
+            f"weights={est.weights} kv={est.kv} max_context={est.max_context}: the engine will "
+            f"take about {_size(est.total)}")
+
+
+def _size(b: int) -> str:
+    return f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.0f} MB"
+
+
+def weight_files(d: Path) -> list:
+    """The safetensors files a checkpoint's weights come from, as checkpoint_index read them
+    (already validated there): the single file, else the index's shards."""
+    if (d / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    return sorted(set(_read_json(d / INDEX_FILE, INDEX_FILE)["weight_map"].values()))
+
+
+def _announce(line: str, verbose: bool) -> None:
+    # the Python API stays quiet unless asked; the CLI asks through the logger (cli.py)
+    if verbose:
+        print(f"sapwood: {line}", file=sys.stderr, flush=True)
+    else:
+        log.info(line)
+
+
+_undecodable_warned: set = set()  # checkpoints warned about: once each per process
+
+
+def _warn_undecodable(ck: Checkpoint) -> None:
+    """Warn (once per checkpoint) when the model can produce ids the tokenizer has no token for:
+    vocab_size past the tokenizer's tokens, added ones included (Qwen pads its embedding table
+    to a round size). Such ids decode to nothing, so their text silently goes missing."""
+    if ck.tokenizer is None or str(ck.path) in _undecodable_warned:
+        return
+    have = set(ck.tokenizer.get_vocab(with_added_tokens=True).values())
+    missing = ck.config.vocab_size - len(have)  # read_checkpoint: every id < vocab_size
+    if missing <= 0:
+        return
+    first = next(i for i in range(ck.config.vocab_size) if i not in have)
+    _undecodable_warned.add(str(ck.path))
+    warnings.warn(f"{ck.path.name}: the model's vocab_size={ck.config.vocab_size} exceeds the "
+                  f"tokenizer's {len(have)} tokens: {missing} ids the model can produce (the "
+                  f"first {first}) have no text and decode to nothing (a trained model seldom "
+                  "picks them)", stacklevel=3)
+
+
 def _progress(ck: Checkpoint, quiet: bool):
     """A tqdm bar over the bytes read, on stderr; on a terminal only, after the first second."""
-    import sys
-
     from tqdm import tqdm
 
     return tqdm(total=ck.weights.nbytes, unit="B", unit_scale=True, desc=f"loading {ck.path.name}",

@@ -23,6 +23,7 @@ TREE_NODES = 64         # the working set of a wide tree round (verify rows)
 PREFILL_ROWS = 256      # rows per prefill forward (Engine::kPrefillChunk)
 RUNTIME_BYTES = 300e6   # the interpreter, numpy, the tokenizer and the load's read buffer
 WEIGHT_MODES = ("f32", "bf16", "q8", "q4")
+SEQUENCE_PARTS = ("kv_cache", "gdn_states", "round_buffers", "mtp_drafter")
 
 
 def _up(x: int, m: int) -> int:
@@ -118,6 +119,13 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return int(sum(self.parts.values()))
+
+    @property
+    def per_sequence(self) -> int:
+        """What each further sequence (Model.new_sequence, a server slot) adds: its own KV,
+        GDN state and round buffers, the weights being shared. The MTP head is counted too
+        (each sequence builds its own on first use)."""
+        return int(sum(self.parts.get(p, 0) for p in SEQUENCE_PARTS))
 
     def describe(self) -> str:
         rows = [f"  {name:<14} {b / GB:8.2f} GB" for name, b in self.parts.items()]

@@ -323,17 +323,17 @@ class Model:
     def apply_chat_template(self, messages, add_generation_prompt=True, **template_kwargs) -> str:
         """The messages as the checkpoint's chat template writes them. The template is the
         checkpoint's code, so it runs sandboxed (chat_template.py); template_kwargs reach it too
-        (tools, enable_thinking, ...). ValueError when it fails, refuses the messages
+        (tools, enable_thinking, ...). A checkpoint without a template gets ChatML, with a
+        warning (chat_template.template_for). ValueError when it fails, refuses the messages
         (raise_exception) or tries what the sandbox forbids."""
-        if not self.chat_template:
-            raise ValueError("this checkpoint has no chat template; pass text or token ids")
-        from .chat_template import compile_chat_template, render_chat_template
+        from .chat_template import compile_chat_template, render_chat_template, template_for
 
+        want = template_for(self.chat_template, self.path or "this model")  # none: ChatML
         # compiled once, not per request; keyed by the source since callers may replace
-        # chat_template (the server's fallback)
+        # chat_template
         src, compiled = getattr(self, "_compiled_chat_template", None) or (None, None)
-        if src != self.chat_template:
-            src = self.chat_template
+        if src != want:
+            src = want
             compiled = compile_chat_template(src)
             self._compiled_chat_template = (src, compiled)
         return render_chat_template(compiled, messages=messages,

@@ -1,5 +1,5 @@
 """The speculation policy: each round, the option with the most expected committed tokens per
-second, plain decoding included (DESIGN.md "Speculation policy").
+second, plain decoding included (docs/design.md "Speculation policy").
 
 Options: plain (verify the root alone), a chain of d draft rows (d + 1 nodes), or a best-first
 tree of w nodes grown from the drafted rows. Before drafting, the policy compares plain decoding
@@ -9,11 +9,11 @@ drafting a wide round, it picks the best prefix of the drafter's chain and of th
 tree, using the calibrated acceptance of each node (by depth, rank and the drafter's
 confidence). Costs per context band are low quantiles of recent timings, so preempted rounds
 move nothing: verify by node count (times the host's level, which follows a shared host's
-load), draft by row, and the rest of a round by kind. The admission EMA is
-DESIGN.md's: trees only while the chain's acceptance is below its threshold, and then only while
-the band's wide rounds have not been shown to keep fewer tokens per second than the chain rounds
-they replaced would have (their picks tell what the chain would have kept): where a round's own
-Python is as large as a small target's verify, trees can lose.
+load), draft by row, and the rest of a round by kind. The admission EMA is the design's
+(docs/design.md): trees only while the chain's acceptance is below its threshold, and then only
+while the band's wide rounds have not been shown to keep fewer tokens per second than the chain
+rounds they replaced would have (their picks tell what the chain would have kept): where a
+round's own Python is as large as a small target's verify, trees can lose.
 
 Every choice changes speed only: any tree's walk commits the target's own picks.
 """
@@ -55,9 +55,9 @@ def capped_by_larger(prices: dict) -> dict:
 
 @dataclass
 class PolicyParams:
-    ema_start: float = 8.0       # DESIGN.md: the admission EMA starts at R (all rows kept)
-    ema_weight: float = 0.125    # DESIGN.md: the EMA's weight of a cycle's kept rows
-    ema_wide_below: float = 6.5  # DESIGN.md: trees only while the chain keeps fewer rows than this
+    ema_start: float = 8.0       # docs/design.md: the admission EMA starts at R (all rows kept)
+    ema_weight: float = 0.125    # docs/design.md: the EMA's weight of a cycle's kept rows
+    ema_wide_below: float = 6.5  # docs/design.md: trees only while the chain keeps fewer rows
     window: int = 16             # timings kept per (band, part, size): enough for a low quantile
                                  # to skip preempted rounds, recent enough to follow the host
     quantile: float = 0.25       # a size's cost is this low quantile of its timings: a loaded host
@@ -180,9 +180,14 @@ class Costs:
         return v + drafted + rest
 
     def beside_verify(self, band, kind: str, rows: int) -> tuple:
-        """(drafting `rows`, the rest of a round of `kind`): what every option of a round shares."""
-        return (rows * self.cost(band, "draft", 0, 0.0),
-                self.cost(band, "rest", kind, self.cost(band, "rest", "chain", 0.0)))
+        """(drafting `rows`, the rest of a round of `kind`): what every option of a round shares.
+        A kind not timed yet borrows the chain's rest, but for plain rounds: with the walk in
+        the engine their Python is next to none (~30 us against a chain round's ~0.5 ms,
+        bench/round_cost.py --kinds), and pricing them at a chain's would keep a policy that
+        has never run one from ever trying plain decoding where it wins."""
+        rest = self.cost(band, "rest", kind, 0.0 if kind == "plain" else
+                         self.cost(band, "rest", "chain", 0.0))
+        return rows * self.cost(band, "draft", 0, 0.0), rest
 
 
 class Acceptance:
@@ -231,7 +236,7 @@ class Acceptance:
                 prior = self.parent.tables()[0]
             chance = (self.accepted + k * prior) / (self.offered + k)
             self._cache = (v, (chance, np.log(np.maximum(chance, 1e-12)),
-                               [float(chance[g, 0].mean()) for g in range(self.DEPTHS)]))
+                               chance[:self.DEPTHS, 0].mean(axis=1).tolist()))
         return self._cache[1]
 
     def chance(self, rank, logprob, depth, off=False):
@@ -290,7 +295,8 @@ class Request:
         self.deep = True       # did the last wide round's tree reach its deepest drafted row?
 
     def wide(self) -> bool:
-        """DESIGN.md's admission: a tree only while the chain keeps fewer rows than the threshold."""
+        """docs/design.md's admission: a tree only while the chain keeps fewer rows than the
+        threshold."""
         return self.avg < self.policy.params.ema_wide_below
 
     def survival(self, sd: float = 0.0) -> list:
@@ -310,8 +316,15 @@ class Request:
         return self.max_rows if max_rows is None else max(1, min(max_rows, self.max_rows))
 
     def _chain_seconds(self, m: int) -> list:
-        """Predicted seconds of a chain round of d rows, d = 1..m (None: unpriced)."""
-        return [self.policy.costs.round(self.band, "chain", d + 1, d) for d in range(1, m + 1)]
+        """Predicted seconds of a chain round of d rows, d = 1..m (None: unpriced): Costs.round
+        of each, its shared parts looked up once (this runs every round)."""
+        costs, b = self.policy.costs, self.band
+        draft, rest = costs.beside_verify(b, "chain", 1)
+        out = []
+        for d in range(1, m + 1):
+            v = costs.verify(b, d + 1)
+            out.append(None if v is None else v + d * draft + rest)
+        return out
 
     def chain_plan(self, max_rows: int | None = None, sd: float = 0.0, near: float = 0.0,
                    seconds: list | None = None):
@@ -445,7 +458,7 @@ class Policy:
                 s[i] += v
 
     def wide_pays(self, band: int) -> bool:
-        """Yes (DESIGN.md's admission alone) unless the band's last wide rounds (`window` at
+        """Yes (docs/design.md's admission alone) unless the band's last wide rounds (`window` at
         least) kept fewer tokens than the chain would have in their time, by plain_sd
         standard errors. The evidence decays per request: a band that stopped them takes wide
         rounds again once it weighs less than `window` rounds, to see whether they still lose."""

@@ -1,4 +1,4 @@
-"""Sampling keyed by (seed, position, id): see DESIGN.md and the spec in reference/sampling.py.
+"""Sampling keyed by (seed, position, id): see docs/design.md and the spec in reference/sampling.py.
 
 `sample` runs the engine's sampler (csrc/sampler.cpp: selection instead of a sort of the
 vocabulary, noise only where it can win), which draws the reference's tokens bit for bit.

@@ -1,4 +1,4 @@
-"""The A/B protocol of DESIGN.md: two arms in one process on one engine, ABBA/BAAB blocks after
+"""The A/B protocol of docs/design.md: two arms in one process on one engine, ABBA/BAAB blocks after
 excluded warm-up samples, identical output tokens checked on every sample, per-block verdicts.
 Each arm keeps its own speculation policy state (run_ab).
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import dump_json, geomean, load_cohort, machine, model_identity, parse_arm, source_revision
+from .common import (arm_text, dump_json, geomean, load_cohort, machine, model_identity, parse_arm,
+                     ratio_text, source_revision, table)
 
 INCONCLUSIVE_SPREAD = 0.05
 
@@ -53,6 +54,7 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
     # narrowed the auto / chain ratio (replayed: bench/replay_width.py --one-rule).
     policy = {"A": {}, "B": {}}
     per_prompt = []
+    log(f"A = {arm_text(arm_a)}\nB = {arm_text(arm_b)}\n(every ratio is B/A)")
     for p in prompts:
         ref = None
         for _ in range(warmup):  # excluded from timing; also fixes the reference tokens
@@ -87,9 +89,9 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
         rec["verdicts"] = [b["tok_s"]["verdict"] for b in rec["blocks"]]
         rec["tokens_per_cycle"] = {n: float(np.mean([x["tokens_per_cycle"] for b in rec["blocks"] for x in b["samples"][n]])) for n in "AB"}
         per_prompt.append(rec)
-        log(f"{p['id']:>18}  tok/s {100 * rec['tok_s_change_median']:+6.1f}%  "
-            f"decode {100 * rec['decode_tok_s_change_median']:+6.1f}%  "
-            f"ttft {100 * rec['ttft_change_median']:+6.1f}%  "
+        log(f"{p['id']:>18}  B/A tok/s x{1 + rec['tok_s_change_median']:.3f}  "
+            f"decode x{1 + rec['decode_tok_s_change_median']:.3f}  "
+            f"first token time x{1 + rec['ttft_change_median']:.3f}  "
             f"tok/cycle A {rec['tokens_per_cycle']['A']:.2f} B {rec['tokens_per_cycle']['B']:.2f}  "
             f"{','.join(rec['verdicts'])}")
     summary = {
@@ -101,6 +103,28 @@ def run_ab(model, arm_a: dict, arm_b: dict, prompts: list[dict], *, max_tokens=6
     }
     return {"arms": arms, "max_tokens": max_tokens, "blocks": blocks, "warmup": warmup,
             "per_prompt": per_prompt, "summary": summary}
+
+
+def summary_table(res: dict) -> str:
+    """The run's one table: a row per prompt and their geometric mean, every ratio B/A, then
+    each ratio's direction in words and the verdicts."""
+    s, arms = res["summary"], res["arms"]
+    rows = [[p["id"], f"x{1 + p['tok_s_change_median']:.3f}",
+             f"x{1 + p['decode_tok_s_change_median']:.3f}", f"x{1 + p['ttft_change_median']:.3f}",
+             f"{p['tokens_per_cycle']['A']:.2f}", f"{p['tokens_per_cycle']['B']:.2f}",
+             ",".join(p["verdicts"])] for p in res["per_prompt"]]
+    rows.append(["geometric mean", f"x{s['geomean_tok_s_ratio']:.3f}",
+                 f"x{s['geomean_decode_tok_s_ratio']:.3f}", f"x{s['geomean_ttft_ratio']:.3f}",
+                 "", "", ""])
+    return "\n".join([
+        f"A = {arm_text(arms['A'])}", f"B = {arm_text(arms['B'])}",
+        table(["prompt", "B/A tok/s", "B/A decode tok/s", "B/A first-token time",
+               "tok/cycle A", "tok/cycle B", "blocks"], rows),
+        ratio_text("tokens/s", s["geomean_tok_s_ratio"]),
+        ratio_text("decode tokens/s", s["geomean_decode_tok_s_ratio"]),
+        ratio_text("time to first token", s["geomean_ttft_ratio"], time=True),
+        f"prompts where B regressed: {', '.join(s['prompts_regressing']) or 'none'}; "
+        f"inconclusive blocks (an arm's pair >5% apart): {s['inconclusive_blocks']}"])
 
 
 def arm_speed(res: dict, arm: str, metric: str = "decode_tok_s") -> float:
@@ -116,6 +140,7 @@ def across_processes(a) -> int:
     2-core VM one off -> chain A/B read x0.82 to x1.13 within an hour), so the report is the
     spread of per-process verdicts, with each process's speed of arm A beside its ratio."""
     runs = []
+    print(f"A = {arm_text(parse_arm(a.a))}\nB = {arm_text(parse_arm(a.b))}\n(every ratio is B/A)")
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.processes):
             out = Path(tmp) / f"ab{i}.json"
@@ -129,19 +154,19 @@ def across_processes(a) -> int:
                 return r.returncode
             runs.append(json.loads(out.read_text(encoding="utf-8")))
             s = runs[-1]["summary"]
-            print(f"process {i + 1}/{a.processes}: decode x{s['geomean_decode_tok_s_ratio']:.3f}, "
+            print(f"process {i + 1}/{a.processes}: B/A decode x{s['geomean_decode_tok_s_ratio']:.3f}, "
                   f"tok/s x{s['geomean_tok_s_ratio']:.3f}, arm A {arm_speed(runs[-1], 'A'):.0f} "
                   f"decode tok/s; regressing: {s['prompts_regressing'] or 'none'}", flush=True)
     dec = [r["summary"]["geomean_decode_tok_s_ratio"] for r in runs]
     tok = [r["summary"]["geomean_tok_s_ratio"] for r in runs]
-    per_prompt = []
+    per_prompt, rows = [], []
     for i, p in enumerate(runs[0]["per_prompt"]):  # every process ran the same prompts in order
         ch = [r["per_prompt"][i]["decode_tok_s_change_median"] for r in runs]
         tpc = {n: float(np.mean([r["per_prompt"][i]["tokens_per_cycle"][n] for r in runs])) for n in "AB"}
         per_prompt.append({"id": p["id"], "decode_change_median": float(np.median(ch)),
                            "decode_change_range": [min(ch), max(ch)], "tokens_per_cycle": tpc})
-        print(f"{p['id']:>18}  decode {100 * np.median(ch):+6.1f}% [{100 * min(ch):+.1f}, "
-              f"{100 * max(ch):+.1f}]  tok/cycle A {tpc['A']:.2f} B {tpc['B']:.2f}")
+        rows.append([p["id"], f"x{1 + np.median(ch):.3f}", f"[x{1 + min(ch):.3f}, x{1 + max(ch):.3f}]",
+                     f"{tpc['A']:.2f}", f"{tpc['B']:.2f}"])
     summary = {
         "decode_ratio_median": float(np.median(dec)), "decode_ratio_range": [min(dec), max(dec)],
         "tok_s_ratio_median": float(np.median(tok)), "tok_s_ratio_range": [min(tok), max(tok)],
@@ -149,10 +174,14 @@ def across_processes(a) -> int:
         "processes_b_faster": sum(d > 1.0 for d in dec),
         "per_prompt": per_prompt,  # decode change: median [range] over the processes
     }
-    print(f"\nB vs A over {a.processes} processes: decode x{summary['decode_ratio_median']:.3f} "
-          f"median [x{min(dec):.3f}, x{max(dec):.3f}], tok/s x{summary['tok_s_ratio_median']:.3f} "
-          f"[x{min(tok):.3f}, x{max(tok):.3f}]; B faster in {summary['processes_b_faster']} of "
-          f"{a.processes}")
+    rows.append(["geometric mean", f"x{summary['decode_ratio_median']:.3f}",
+                 f"[x{min(dec):.3f}, x{max(dec):.3f}]", "", ""])
+    print(f"\nA = {arm_text(parse_arm(a.a))}\nB = {arm_text(parse_arm(a.b))}\n"
+          f"medians and ranges over {a.processes} processes:\n"
+          + table(["prompt", "B/A decode tok/s", "range", "tok/cycle A", "tok/cycle B"], rows))
+    print(f"{ratio_text('decode tokens/s', summary['decode_ratio_median'])} (median of the "
+          f"processes); {ratio_text('tokens/s', summary['tok_s_ratio_median'])} [x{min(tok):.3f}, "
+          f"x{max(tok):.3f}]; B faster in {summary['processes_b_faster']} of {a.processes} processes")
     sha = dump_json({"processes": runs, "summary": summary}, a.out)
     print(f"raw JSON {a.out} sha256 {sha}")
     return 0
@@ -172,10 +201,7 @@ def main(a) -> int:
                  blocks=a.blocks, warmup=a.warmup)
     res.update(revision=source_revision(), model=model_identity(model), machine=machine(),
                protocol="ABBA/BAAB blocks; spread>5% inconclusive; pass if regression <= max(2%, 2*spread)")
-    s = res["summary"]
-    print(f"\nB vs A geometric mean: tok/s x{s['geomean_tok_s_ratio']:.3f}, decode x"
-          f"{s['geomean_decode_tok_s_ratio']:.3f}, ttft x{s['geomean_ttft_ratio']:.3f}; "
-          f"regressing: {s['prompts_regressing'] or 'none'}; inconclusive blocks: {s['inconclusive_blocks']}")
+    print("\n" + summary_table(res))
     sha = dump_json(res, a.out)
     print(f"raw JSON {a.out} sha256 {sha}")
     return 0

@@ -90,3 +90,31 @@ def dump_json(obj, path) -> str:
     text = json.dumps(obj, indent=1, sort_keys=True)
     Path(path).write_text(text, encoding="utf-8")
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def arm_text(arm: dict) -> str:
+    """An arm as its command line wrote it ('verify=tree,width=8'); {} -> generate()'s defaults."""
+    return ",".join(f"{k}={v}" for k, v in arm.items()) or "generate() defaults"
+
+
+def ratio_text(what: str, ratio: float, *, time: bool = False) -> str:
+    """'B/A tokens/s x1.120: B faster': the ratio with its direction spelled out, so that
+    nobody has to remember which arm is the numerator. time: a ratio of durations (less is
+    better): 'B sooner' / 'B later'."""
+    if ratio == 1.0:
+        verdict = "the same"
+    elif time:
+        verdict = "B later" if ratio > 1.0 else "B sooner"
+    else:
+        verdict = "B faster" if ratio > 1.0 else "B slower"
+    return f"B/A {what} x{ratio:.3f}: {verdict}"
+
+
+def table(headers: list, rows: list) -> str:
+    """A plain text table: each column as wide as its widest cell, the first (the row's name)
+    left-aligned, the figures right-aligned."""
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.rjust(w) if k else c.ljust(w)
+                               for k, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in cells)

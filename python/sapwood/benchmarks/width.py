@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import dump_json, machine, model_identity, source_revision
+from ..generate import DecodeConfig
+from .common import dump_json, machine, model_identity, source_revision, table
 
 
 def context_text(n_chars: int) -> str:
@@ -42,10 +43,19 @@ def accepted_by_width(tree, path, max_width) -> np.ndarray:
     return acc
 
 
-def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, log):
-    """The study at one context: (its results, each arm's policy state by arm)."""
+def rule_rows(max_width: int) -> int:
+    """Draft rows of the rule's rounds: a chain of r rows verifies r + 1 nodes, and in auto
+    mode the chain competes with the tree whatever `width` says, so without this cap the rule
+    verified chains of 9 nodes in a study of widths up to 4."""
+    return max(1, min(DecodeConfig.rows, max_width - 1))
+
+
+def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, log, depth=None):
+    """The study at one context: (its results, each arm's policy state by arm). depth: the
+    label asked for (default len(ids); depth 0 runs on a one-token context)."""
     gen = dict(max_tokens=max_tokens, temperature=temperature, drafter=drafter, cache_prompt=True)
-    res = {"depth": len(ids)}
+    depth = len(ids) if depth is None else depth
+    res = {"depth": depth, "context_tokens": len(ids)}
     # Each arm learns its own policy state (Model.policy_state), as a server running that
     # configuration would: sharing one, the rule learned from the forced widths' rounds too.
     arms = list(range(1, max_width + 1)) + ["rule", "plain"]  # plain: no draft, a reference
@@ -68,7 +78,8 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
         for arm in (arms if rep % 2 == 0 else arms[::-1]):
             with model.policy_state(states[arm]):
                 if arm == "rule":
-                    r = model.generate(ids, verify="auto", width=max_width, **gen,
+                    r = model.generate(ids, verify="auto", width=max_width,
+                                       rows=rule_rows(max_width), **gen,
                                        on_round=lambda t, p, s: rule_widths.append(t.width))
                 elif arm == "plain":
                     r = model.generate(ids, verify="off", **gen)
@@ -89,7 +100,7 @@ def study_depth(model, ids, max_width, max_tokens, drafter, temperature, reps, l
     paired = [r / b for r, b in zip(tps["rule"], tps[best + 1])]
     res["rule_ratio_paired"] = {"median": float(np.median(paired)), "range": [min(paired), max(paired)]}
     res["rule_widths"] = rule_widths
-    log(f"depth {len(ids):>6}: best fixed w={best + 1} {med[best + 1]:.1f} tok/s; rule "
+    log(f"depth {depth:>6}: best fixed w={best + 1} {med[best + 1]:.1f} tok/s; rule "
         f"{med['rule']:.1f} tok/s (x{res['rule_ratio']:.3f}, paired per pass "
         f"{res['rule_ratio_paired']['median']:.3f} [{min(paired):.3f}, {max(paired):.3f}]); "
         f"mean rule width {np.mean(rule_widths) if rule_widths else 0:.1f}; plain decoding "
@@ -146,7 +157,8 @@ def first_requests(model, ids, best_width, a, warm: dict | None = None,
         for arm in (arms if rep % 2 == 0 else arms[::-1]):
             with model.policy_state(warm if arm == "fixed" else {}):
                 if arm == "rule":
-                    r = model.generate(ids, verify="auto", width=a.max_width, **gen)
+                    r = model.generate(ids, verify="auto", width=a.max_width,
+                                       rows=rule_rows(a.max_width), **gen)
                 else:
                     r = model.generate(ids, verify="tree", width=best_width, **gen)
             tps[arm].append(r.stats.decode_tokens_per_s)
@@ -171,9 +183,31 @@ def depth_contexts(model, depths) -> dict:
     return {d: ids[:max(d, 1)] for d in depths}
 
 
+def check_args(a) -> None:
+    """Bad values named before the model loads."""
+    if not 2 <= a.max_width <= 64:
+        raise ValueError(f"--max-width {a.max_width}: must be 2 to 64 (the rule is measured "
+                         "against every fixed width from 1 to it)")
+    bad = [d for d in a.depths if d < 0]
+    if bad:
+        raise ValueError(f"--depths {bad[0]}: a context depth is a number of tokens, >= 0")
+
+
+def summary_table(depths: list) -> str:
+    """The run's one table, a row per depth as asked; ratios are rule / the arm named."""
+    rows = [[r["depth"], r["best_fixed_width"], f"{r['best_fixed_tokens_per_s']:.1f}",
+             f"{r['rule_tokens_per_s']:.1f}", f"x{r['rule_ratio']:.3f}",
+             f"x{r['first_request_ratio']:.3f}", f"x{r['fresh_fixed_ratio']:.3f}",
+             f"{r['plain_tokens_per_s']:.1f}", f"x{r['rule_over_plain']:.3f}"] for r in depths]
+    return table(["depth (tokens)", "best fixed width", "its tok/s", "rule tok/s",
+                  "rule/best fixed", "first request rule/best fixed", "fresh/warm fixed",
+                  "plain tok/s", "rule/plain"], rows)
+
+
 def main(a) -> int:
     import sapwood
 
+    check_args(a)
     model = sapwood.load(a.model, weights=a.weights, kv=a.kv, threads=a.threads,
                          max_context=max(a.depths) + a.max_tokens + 64)
     prompt_of = depth_contexts(model, a.depths)
@@ -184,7 +218,7 @@ def main(a) -> int:
                    cache_prompt=True)  # warm-up
     for d in a.depths:
         res, states = study_depth(model, prompt_of[d], a.max_width, a.max_tokens, a.drafter,
-                                  a.temperature, a.reps, print)
+                                  a.temperature, a.reps, print, depth=d)
         # The first request of a fresh process, after the study has found the best fixed width
         first = first_requests(model, prompt_of[d], res["best_fixed_width"], a,
                                warm=states[res["best_fixed_width"]])
@@ -201,13 +235,8 @@ def main(a) -> int:
               f"width's own first request x{res['fresh_fixed_ratio']:.3f} of it (a fresh rule "
               f"/ a fresh fixed width x{res['first_request_over_fresh_fixed']:.3f})")
         out["depths"].append(res)
-    print("\ndepth  best_w  best_tok/s  rule_tok/s  ratio  first_req_ratio  fresh_fixed  "
-          "plain_tok/s  rule/plain")
-    for r in out["depths"]:
-        print(f"{r['depth']:>6} {r['best_fixed_width']:>6} {r['best_fixed_tokens_per_s']:>10.1f} "
-              f"{r['rule_tokens_per_s']:>10.1f} {r['rule_ratio']:>6.3f} {r['first_request_ratio']:>8.3f} "
-              f"{r['fresh_fixed_ratio']:>16.3f} {r['plain_tokens_per_s']:>12.1f} "
-              f"{r['rule_over_plain']:>10.3f}")
+    print(f"\nwidths 1 to {a.max_width}; decode tokens/s, medians of {a.reps} passes")
+    print(summary_table(out["depths"]))
     out["plot"] = plot(out["depths"], Path(a.out).with_suffix(".png"))
     print(f"plot: {out['plot']}")
     sha = dump_json(out, a.out)

@@ -2,11 +2,11 @@
 
 The executable spec of the model graph. It reuses the GDN recurrence (`gdn.GDNReference`), tree
 attention (`tree_attention.tree_attention_naive`) and int8 KV rounding (`kv.roundtrip`), so each
-piece of math lives in one place. It speaks the engine contract of DESIGN.md: `verify(tokens,
+piece of math lives in one place. It speaks the engine contract of docs/design.md: `verify(tokens,
 parents)` scores a tree without changing committed state, `commit(path)` keeps one root-to-leaf
 path; `prefill` and `step` are chains built from those two.
 
-Checked against transformers 5.24 `models/qwen3_5/modeling_qwen3_5.py`; where it and DESIGN.md
+Checked against transformers 5.24 `models/qwen3_5/modeling_qwen3_5.py`; where it and docs/design.md
 could be read two ways, transformers wins (notes marked "HF:").
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The keyed sampler's oracle (DESIGN.md "Sampling keyed by (seed, position, id)"); the engine's
-sampler (csrc/sampler.cpp) draws the same tokens bit for bit, and tests/test_sampling.py holds
-the two together on every mode.
+"""The keyed sampler's oracle (docs/design.md "Sampling keyed by (seed, position, id)"); the
+engine's sampler (csrc/sampler.cpp) draws the same tokens bit for bit, and
+tests/test_sampling.py holds the two together on every mode.
 
     mix(z): z += 0x9E3779B97F4A7C15; z = (z ^ z>>30) * 0xBF58476D1CE4E5B9;
             z = (z ^ z>>27) * 0x94D049BB133111EB; return z ^ z>>31      (all mod 2^64)

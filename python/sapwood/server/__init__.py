@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..chat_template import compile_chat_template, template_for
+
 _EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 
@@ -18,19 +20,62 @@ def _require_extra() -> None:
     gone = missing_extra()
     if gone:
         raise ImportError(f"sapwood serve needs the server extra, missing here: {', '.join(gone)}."
-                          ' Install it with: pip install "sapwood[server]"')
+                          ' Install it with: pip install "sapwood[server]" (from a checkout:'
+                          ' pip install ".[server]")')
 
 
 _require_extra()
 
 from .access import check_api_key, check_origins  # noqa: E402
 from .admit import DEFAULT_MAX_BODY_MB  # noqa: E402
-from .app import FALLBACK_CHAT_TEMPLATE, ServerState, create_app  # noqa: E402
+from .app import ServerState, create_app  # noqa: E402
 from .batching import VerifyBatcher  # noqa: E402
 from .slots import Scheduler, SnapshotCache, Slot  # noqa: E402
 from .text import token_bytes_table  # noqa: E402
 
-__all__ = ["build", "create_app", "run", "start", "ServerState"]
+__all__ = ["build", "create_app", "default_parallel", "run", "start", "ServerState"]
+
+
+SLOT_THREADS = 2  # cores a slot is counted as needing when --threads is not given
+MAX_DEFAULT_PARALLEL = 4
+
+
+def default_parallel(cores: int, free_bytes: int, shared_bytes: int, per_slot_bytes: int,
+                     threads=None) -> tuple[int, str]:
+    """The slot count `sapwood serve` takes without --parallel, and why, in one line:
+    min(cores // threads a slot, the slots the free memory holds beside the shared weights,
+    4). A slot is a sequence of its own (KV, GDN state, round buffers: per_slot_bytes,
+    MemoryEstimate.per_sequence) over the one copy of the weights (shared_bytes). Two cores
+    a slot unless --threads says otherwise, a starting point rather than a measured optimum:
+    a 2-core host keeps one slot with both cores (more slots raised no aggregate tokens/s
+    there, bench/results/xeon_amx/serve_load.md). At most 4: more slots share the memory
+    bandwidth each decode step is bound by (docs/server.md, "Slots")."""
+    for name, v in (("cores", cores), ("per_slot_bytes", per_slot_bytes),
+                    ("threads", 1 if threads is None else threads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an int >= 1")
+    per = SLOT_THREADS if threads is None else threads
+    by_cores = max(1, cores // per)
+    by_memory = max(1, (free_bytes - shared_bytes) // per_slot_bytes)
+    n = min(by_cores, by_memory, MAX_DEFAULT_PARALLEL)
+    gb = 1e9
+    return n, (f"--parallel {n} (the default: the least of {cores} cores // {per} threads a "
+               f"slot = {by_cores}; {free_bytes / gb:.1f} GB free holds {by_memory} slots of "
+               f"{per_slot_bytes / gb:.2f} GB beside {shared_bytes / gb:.2f} GB shared "
+               f"(weights, runtime); {MAX_DEFAULT_PARALLEL}, the most by default)")
+
+
+def machine_parallel(model, *, weights: str, kv: str, max_context: int, threads=None):
+    """default_parallel for this machine and `model` (a checkpoint directory or "default"),
+    from its config.json alone: nothing is loaded."""
+    from ..loading import default_target_path, read_config
+    from ..memory import available_bytes, estimate_config
+
+    d = default_target_path() if model == "default" else model
+    est = estimate_config(read_config(d), weights=weights, kv=kv, max_context=max_context)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return default_parallel(cores or 1, available_bytes(), est.total - est.per_sequence,
+                            est.per_sequence, threads)
 
 
 def _slot_threads(threads, parallel: int):
@@ -46,7 +91,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
           backend: str = "cpu", threads=None, model_id: str | None = None,
           loader=None, batch_verify: bool = False,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, api_key: str | None = None,
-          cors_origins=(), reasoning_parser: str = "auto", aliases=()) -> ServerState:
+          cors_origins=(), chat_template: str | None = None, reasoning_parser: str = "auto",
+          aliases=()) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -60,6 +106,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     api_key: requests must send `Authorization: Bearer KEY` (401 otherwise; /health stays open);
     None: the environment's SAPWOOD_API_KEY if set, else no key. cors_origins: origins whose
     browser pages may call the API ("*": any); empty: CORS off (server/access.py).
+    chat_template: Jinja source that replaces the checkpoint's template; None: the checkpoint's,
+    else ChatML with a warning (chat_template.template_for, the Python API's rule too).
     reasoning_parser: "qwen3" splits <think>...</think> into reasoning_content, "none" leaves
     it in content, "auto" (default) splits when the chat template writes thinking blocks
     (Qwen3.5's does; server/reasoning.py). aliases: more names clients may send for the
@@ -80,7 +128,9 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
         api_key = os.environ.get("SAPWOOD_API_KEY") or None
     if api_key is not None:
         check_api_key(api_key)
-    cors_origins = check_origins(cors_origins)  # both before the slots load: fail fast
+    cors_origins = check_origins(cors_origins)  # all three before the slots load: fail fast
+    if chat_template is not None:
+        compile_chat_template(chat_template)  # a syntax error: ValueError naming its line
     n_threads = _slot_threads(threads, parallel)
     cache = SnapshotCache(int(cache_mb * 2 ** 20))
     base = []  # slot 0's (model, draft): the later slots are their new_sequence()s
@@ -96,8 +146,10 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
                              max_context=max_context)
         if m.tokenizer is None:
             raise ValueError(f"{m.path}: no tokenizer.json; the server needs a tokenizer")
-        if not m.chat_template:
-            m.chat_template = FALLBACK_CHAT_TEMPLATE
+        if chat_template is not None:
+            m.chat_template = chat_template
+        # the API's rule (one warning at start, not one a request): the later slots copy it
+        m.chat_template = template_for(m.chat_template, m.path or model)
         draft = m.draft
         if drafter == "mtp":
             m.resolve_drafter("mtp")  # a checkpoint without a head fails here, at start

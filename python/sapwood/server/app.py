@@ -32,12 +32,6 @@ from .reasoning import PARSERS, Splitter, split, template_thinks
 from .slots import ChoiceError, ChoiceResult, Delta, Job, QueueFull, TooManyChoices
 from .text import chars_per_token_bound
 
-# Used when a checkpoint has none (the bundled default): ChatML, the format of Qwen's own.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def choice_seed(seed: int, j: int) -> int:
     """Choice j of a request with seed s samples with seed (s + j) mod 2^64: choice j is the
     single-choice request with that seed."""

@@ -4,7 +4,7 @@ Each slot decodes on its own thread; when its Decoder verifies a tree, the slot 
 to the batcher and waits. The batch runs (on the thread that completes it) when every decoding
 slot has handed one, or when the first waiter's short wait passes: `_core.verify_many` verifies
 all the trees in one forward, so each weight matrix is read once for all their rows. A
-sequence's logits from verify_many are the bits of its own verify() (DESIGN.md "Exactness"),
+sequence's logits from verify_many are the bits of its own verify() (docs/design.md "Exactness"),
 so a request's output does not depend on what it was batched with.
 """
 from __future__ import annotations
