@@ -17,10 +17,11 @@ namespace {
 
 // The sampler's keyword arguments (sampling.SamplingParams' names, plus the penalties'
 // history); an unknown one is an error, not ignored.
-SampleParams sampling_kwargs(const py::kwargs& kw) {
+SampleParams sampling_kwargs(const py::dict& kw) {
   SampleParams p;
   for (const auto& [key, value] : kw) {
     const std::string k = py::str(key);
+    if (k == "mask") continue;  // mask_kwarg's
     auto num = [&](auto* field) {
       try {
         *field = value.cast<std::remove_pointer_t<decltype(field)>>();
@@ -43,6 +44,31 @@ SampleParams sampling_kwargs(const py::kwargs& kw) {
   return p;
 }
 
+// The `mask` keyword (absent or None: no mask): allowed-token bitmasks [rows, mask_words(V)],
+// int32 or uint32 (llguidance fills int32, the bits are what count), one row per row of
+// logits. Returned as uint32 C-contiguous (empty when absent) to keep alive over the call.
+py::array_t<uint32_t, py::array::c_style> mask_kwarg(const py::dict& kw, py::ssize_t rows,
+                                                     py::ssize_t V) {
+  if (!kw.contains("mask") || kw["mask"].is_none()) return py::array_t<uint32_t>();
+  py::object m = kw["mask"];
+  if (!py::isinstance<py::array>(m))
+    throw InputError(cat("mask must be a numpy array of int32 or uint32 [rows, ceil(V/32)], got ",
+                         std::string(py::str(py::type::of(m).attr("__name__")))));
+  py::array a = py::reinterpret_borrow<py::array>(m);
+  const char kind = a.dtype().kind();
+  if (!((kind == 'i' || kind == 'u') && a.dtype().itemsize() == 4))
+    throw InputError(cat("mask must be int32 or uint32 (bit i % 32 of word i / 32 allows id i), "
+                         "got ", std::string(py::str(a.dtype()))));
+  const py::ssize_t words = mask_words(int(V));
+  if (a.ndim() != 2 || a.shape(0) != rows || a.shape(1) != words)
+    throw InputError(cat("mask has shape ", shape_str(a), ", expected (", rows, ", ", words,
+                         "): one row of ceil(V/32) words per row of logits (V = ", V, ")"));
+  py::array c = py::array::ensure(a, py::array::c_style);
+  // same bits, read as uint32
+  return py::array_t<uint32_t, py::array::c_style>(
+      {rows, words}, static_cast<const uint32_t*>(c.data()), c);
+}
+
 py::tuple walk_result(const Walk& w) {
   return py::make_tuple(py::cast(w.path), py::cast(w.picks));
 }
@@ -61,12 +87,14 @@ void bind_engine(py::module_& m) {
                                  shape_str(logits), " and ", shape_str(positions)));
           const int n = int(logits.shape(0)), V = int(logits.shape(1));
           const SampleParams p = sampling_kwargs(kw);
+          const auto mask = mask_kwarg(kw, n, V);
+          const uint32_t* mk = mask.size() ? mask.data() : nullptr;
           py::array_t<int64_t> out(n);
           int64_t* o = out.mutable_data();
           const uint64_t* pos = positions.data();
           auto run = [&](auto* x) {
             py::gil_scoped_release release;
-            sample_rows(x, n, V, pos, p, o);
+            sample_rows(x, n, V, pos, p, o, 0, mk);
           };
           if (py::isinstance<py::array_t<float, py::array::c_style>>(logits))
             run(py::array_t<float, py::array::c_style>(logits).data());
@@ -79,7 +107,8 @@ void bind_engine(py::module_& m) {
         },
         py::arg("logits"), py::arg("positions"),
         "The keyed sampler (sampler.h) over rows [N, V] at positions [N], keyword arguments "
-        "as SamplingParams' (and history, the tokens penalties count): sampling.sample's work.");
+        "as SamplingParams' (and history, the tokens penalties count; mask, allowed-token "
+        "bitmasks [N, ceil(V/32)] int32/uint32): sampling.sample's work.");
   m.def("walk", [](py::array_t<float, py::array::c_style> logits, py::handle tokens,
                    py::handle parents, uint64_t base_position, const py::kwargs& kw) {
           const std::vector<int> t = as_ints(tokens, "tokens"), par = as_ints(parents, "parents");
@@ -90,16 +119,18 @@ void bind_engine(py::module_& m) {
                                  shape_str(logits), ", ", t.size(), " tokens and ", par.size(),
                                  " parents"));
           const SampleParams p = sampling_kwargs(kw);
+          const auto mask = mask_kwarg(kw, logits.shape(0), logits.shape(1));
           Walk w;
           {
             py::gil_scoped_release release;
-            w = walk_tree(logits.data(), int(logits.shape(1)), t, par, base_position, p);
+            w = walk_tree(logits.data(), int(logits.shape(1)), t, par, base_position, p, 0,
+                          mask.size() ? mask.data() : nullptr);
           }
           return walk_result(w);
         },
         py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("base_position"),
         "(path, picks): the walk of a verified tree over its logits [N, V] from the root at "
-        "base_position (Engine.verify_walk's, over logits given).");
+        "base_position (Engine.verify_walk's, over logits given); mask= one bitmask row per node.");
   py::register_exception<EngineBusy>(m, "EngineBusyError", PyExc_RuntimeError);
   py::class_<Snapshot, std::shared_ptr<Snapshot>>(m, "Snapshot")
       .def_property_readonly("position", [](const Snapshot& s) { return s.length; })
@@ -197,12 +228,14 @@ void bind_engine(py::module_& m) {
              const std::vector<int> t = as_ints(tokens, "tokens");
              const std::vector<int> p = as_ints(parents, "parents");
              const SampleParams sp = sampling_kwargs(kw);
+             const auto mask = mask_kwarg(kw, py::ssize_t(t.size()), e.dims().vocab);
              std::vector<float> z;
              Walk w;
              {
                py::gil_scoped_release release;
                w = e.verify_walk(t, p, sp, commit, fold_in_background,
-                                 return_logits ? &z : nullptr);
+                                 return_logits ? &z : nullptr,
+                                 mask.size() ? mask.data() : nullptr);
              }
              py::tuple res = walk_result(w);
              if (!return_logits) return res;
@@ -215,7 +248,9 @@ void bind_engine(py::module_& m) {
            "at its position: keyed sample, or argmax at temperature 0; then the child carrying "
            "it), commit the path (unless commit=False). Sampling keyword arguments as "
            "SamplingParams' names, plus history (the context penalties count; the walk adds "
-           "the path). Returns (path, picks), and the logits [N, V] last when logits=True.")
+           "the path), and mask (allowed-token bitmasks [N, ceil(V/32)], one row per node: its "
+           "pick is drawn among the allowed ids). Returns (path, picks), and the logits [N, V] "
+           "last when logits=True.")
       .def("commit", [](Engine& e, py::handle path, bool fold_in_background) {
              std::vector<int> p = as_ints(path, "path");
              py::gil_scoped_release release;

@@ -204,13 +204,14 @@ std::vector<float> Engine::verify(const std::vector<int>& tokens, const std::vec
 
 Walk Engine::verify_walk(const std::vector<int>& tokens, const std::vector<int>& parents,
                          const SampleParams& p, bool commit_path, bool fold_in_background,
-                         std::vector<float>* logits) {
+                         std::vector<float>* logits, const uint32_t* masks) {
   check_sample_params(p);  // before any change of state
   Use use(*this);
   join_fold();
   const uint64_t base = uint64_t(be_->length());
   std::vector<float> z = verify(tokens, parents);
-  Walk w = walk_tree(z.data(), dims_.vocab, tokens, parents, base, p, threads_);
+  // a mask error (a row allowing nothing) comes before the commit: the state is unchanged
+  Walk w = walk_tree(z.data(), dims_.vocab, tokens, parents, base, p, threads_, masks);
   if (commit_path) commit(w.path, fold_in_background);
   if (logits) *logits = std::move(z);
   return w;

@@ -68,9 +68,10 @@ class Engine {
   // each node of the path at its position, keyed sampling or argmax), then, if `commit`,
   // commit(path, fold_in_background): a round in one call, the logits left in the engine
   // unless `logits` asks for them ([N][V]).
+  // masks: null, or one allowed-token row per node (sampler.h mask_words(V) words each).
   Walk verify_walk(const std::vector<int>& tokens, const std::vector<int>& parents,
                    const SampleParams& p, bool commit, bool fold_in_background = false,
-                   std::vector<float>* logits = nullptr);
+                   std::vector<float>* logits = nullptr, const uint32_t* masks = nullptr);
   // fold_in_background: fold the committed GDN steps (which the next verify would fold
   // first) on a pool worker while the caller goes on, e.g. drafting on its own thread; the
   // next call that touches the GDN state waits for it. The same bits either way.

@@ -332,10 +332,40 @@ const T* penalised(const T* row, int V, const Counts& counts, const SampleParams
   return out.data();
 }
 
-// sample_rows over checked parameters, the penalties (if any) counted from `counts`.
+// Row r under its mask: a copy with the disallowed ids at -inf (-inf stays -inf through the
+// penalties, so masking first is masking last), or InputError when nothing allowed is left.
+template <class T>
+const T* masked(const T* row, int V, const uint32_t* bits, int r) {
+  thread_local std::vector<T> out;
+  out.resize(size_t(V));
+  bool any = false, finite = false;
+  for (int w = 0; w < mask_words(V); ++w) {
+    const uint32_t b = bits[w];
+    const int lo = w * 32, hi = std::min(V, lo + 32);
+    any |= b != 0 && (hi - lo == 32 || (b & ((1u << (hi - lo)) - 1)) != 0);
+    if (b == 0) {  // whole words of one kind are the common case (a JSON state: few ids set)
+      std::fill(out.begin() + lo, out.begin() + hi, -T(INFINITY));
+      continue;
+    }
+    for (int i = lo; i < hi; ++i) {
+      const bool ok = (b >> (i - lo)) & 1u;
+      out[size_t(i)] = ok ? row[i] : -T(INFINITY);
+      finite |= ok && row[i] != -T(INFINITY);
+    }
+  }
+  if (!any) throw InputError(cat("token mask row ", r, " allows no token: nothing can be sampled"));
+  if (!finite)
+    throw InputError(cat("token mask row ", r, " allows only tokens whose logits are -inf: "
+                         "nothing can be sampled"));
+  return out.data();
+}
+
+// sample_rows over checked parameters, the penalties (if any) counted from `counts`; `mask`
+// (null: none) mask_words(V) words a row.
 template <class T>
 void sample_counted(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
-                    const Counts* counts, int64_t* out, int threads) {
+                    const Counts* counts, int64_t* out, int threads,
+                    const uint32_t* mask = nullptr) {
   // As sampling.check_logits, every row before any draw: NaN first, then +inf, then a row
   // with nothing to sample (penalties within their ranges keep finite logits finite). The
   // first pass has no early exit, so it vectorises.
@@ -353,8 +383,9 @@ void sample_counted(const T* x, int n, int V, const uint64_t* positions, const S
   }
   for (int r = 0; r < n; ++r) {
     const T* row = x + size_t(r) * V;
+    if (mask) row = masked(row, V, mask + size_t(r) * size_t(mask_words(V)), r);
     if (counts) row = penalised(row, V, *counts, p);  // penalties can move the maximum
-    out[r] = sample_one(row, V, counts ? first_max_of(row, V) : first_max[size_t(r)],
+    out[r] = sample_one(row, V, counts || mask ? first_max_of(row, V) : first_max[size_t(r)],
                         positions[r], p, threads);
   }
 }
@@ -363,16 +394,17 @@ void sample_counted(const T* x, int n, int V, const uint64_t* positions, const S
 
 template <class T>
 void sample_rows(const T* x, int n, int V, const uint64_t* positions, const SampleParams& p,
-                 int64_t* out, int threads) {
+                 int64_t* out, int threads, const uint32_t* mask) {
   check_sample_params(p);
-  if (!p.penalised()) return sample_counted(x, n, V, positions, p, nullptr, out, threads);
+  if (!p.penalised())
+    return sample_counted(x, n, V, positions, p, nullptr, out, threads, mask);
   const Counts counts = count_history(p.history, V);
-  sample_counted(x, n, V, positions, p, &counts, out, threads);
+  sample_counted(x, n, V, positions, p, &counts, out, threads, mask);
 }
 
 Walk walk_tree(const float* logits, int V, const std::vector<int>& tokens,
                const std::vector<int>& parents, uint64_t base_position, const SampleParams& p,
-               int threads) {
+               int threads, const uint32_t* masks) {
   check_sample_params(p);
   const int n = int(tokens.size());
   SW_CHECK(int(parents.size()) == n && n > 0, "walk: ", n, " tokens and ", parents.size(),
@@ -391,7 +423,8 @@ Walk walk_tree(const float* logits, int V, const std::vector<int>& tokens,
       ++counts[tokens[size_t(node)]];
     }
     sample_counted(logits + size_t(node) * V, 1, V, &position, p,
-                   p.penalised() ? &counts : nullptr, &pick, threads);
+                   p.penalised() ? &counts : nullptr, &pick, threads,
+                   masks ? masks + size_t(node) * size_t(mask_words(V)) : nullptr);
     w.path.push_back(node);
     w.picks.push_back(int(pick));
     int child = -1;
@@ -403,8 +436,8 @@ Walk walk_tree(const float* logits, int V, const std::vector<int>& tokens,
 }
 
 template void sample_rows<float>(const float*, int, int, const uint64_t*, const SampleParams&,
-                                int64_t*, int);
+                                int64_t*, int, const uint32_t*);
 template void sample_rows<double>(const double*, int, int, const uint64_t*, const SampleParams&,
-                                 int64_t*, int);
+                                 int64_t*, int, const uint32_t*);
 
 }  // namespace sapwood

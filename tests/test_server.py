@@ -459,8 +459,8 @@ BAD = [  # (endpoint, body or raw text, status, param, text the message must sho
     ("chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
               "tools": [{"type": "function"}]}, 400, "tools", "function"),
     ("chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-              "response_format": {"type": "json_object"}}, 400, "response_format",
-     "'json_object'"),
+              "response_format": {"type": "json_object", "json_schema": {}}}, 400,
+     "response_format", "'json_object'"),  # honoured; malformed, refused
 ]
 
 

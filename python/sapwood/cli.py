@@ -131,6 +131,13 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop before this text (repeatable) (default: none; the model's end "
                         "tokens stop it too)")
+    p.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                   help="constrain the output to this JSON schema (a file, or the schema's "
+                        "JSON text); identical in every verify mode")
+    p.add_argument("--regex", default=None, metavar="RE",
+                   help="constrain the output to match this regular expression")
+    p.add_argument("--grammar", default=None, metavar="FILE|TEXT",
+                   help="constrain the output to this grammar (Lark, or llama.cpp's GBNF)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, tokens, finish_reason, stats) instead of "
                         "streaming the text")
@@ -150,6 +157,39 @@ def _generate_options(a) -> tuple[dict, dict]:
             dict(max_tokens=a.max_tokens, verify=a.verify, width=a.width, rows=a.rows))
 
 
+def _file_or_text(value: str, what: str) -> str:
+    """A file's text when `value` names an existing file, else `value` itself."""
+    import os
+    if value and not value.lstrip().startswith(("{", "[")) and os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{what} {value!r}: {e}") from None
+    return value
+
+
+def _constraint_options(a) -> dict:
+    """generate()'s json_schema= / regex= / grammar= from --json-schema, --regex, --grammar;
+    ValueError naming a schema that is neither a file nor JSON."""
+    import json
+    out = {}
+    if getattr(a, "json_schema", None) is not None:
+        text = _file_or_text(a.json_schema, "--json-schema")
+        try:
+            out["json_schema"] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema {a.json_schema[:80]!r}: neither a file nor JSON "
+                             f"({e})") from None
+    if getattr(a, "regex", None) is not None:
+        out["regex"] = a.regex
+    if getattr(a, "grammar", None) is not None:
+        out["grammar"] = _file_or_text(a.grammar, "--grammar")
+    if len(out) > 1:
+        raise ValueError(f"give one of --json-schema, --regex, --grammar, got {sorted(out)}")
+    return out
+
+
 def check_generate(a) -> None:
     """The option values' errors, before a hub id is resolved or the model loads (minutes for
     a big one) and before any output; generate() checks the rest (drafter, stop strings)
@@ -161,6 +201,7 @@ def check_generate(a) -> None:
     DecodeConfig(params=SamplingParams(**sampling), **decoding).validate()
     if a.chat and a.json:
         raise ValueError("--chat writes the conversation as text: it takes no --json")
+    _constraint_options(a)
 
 
 def cmd_generate(a) -> int:
@@ -181,7 +222,7 @@ def cmd_generate(a) -> int:
             return chat(model, dict(drafter=a.drafter, stop=a.stop, **sampling, **decoding),
                         system=prompt)
         stream = model.generate(prompt, stream=True, drafter=a.drafter, stop=a.stop, **sampling,
-                                **decoding)
+                                **decoding, **_constraint_options(a))
         if not a.json:
             out.write(prompt)
             out.flush()
@@ -315,6 +356,10 @@ def cmd_inspect(a) -> int:
 def cmd_serve(a) -> int:
     from . import server  # without the server extra: an ImportError saying how to install it
 
+    if a.served_model_name and a.model_id and a.model_id != a.served_model_name[0]:
+        raise ValueError(f"--model-id {a.model_id!r} and --served-model-name "
+                         f"{a.served_model_name[0]!r} disagree: give one")
+    a.model_id = a.model_id or (a.served_model_name[0] if a.served_model_name else None)
     if a.parallel is None:
         a.parallel, why = server.machine_parallel(a.model, weights=a.weights, kv=a.kv,
                                                   max_context=a.max_context, threads=a.threads)
@@ -324,7 +369,8 @@ def cmd_serve(a) -> int:
                       backend=a.backend, threads=a.threads, model_id=a.model_id,
                       batch_verify=a.batch_verify, max_body_mb=a.max_body_mb,
                       api_key=a.api_key, cors_origins=a.cors_origin or (),
-                      chat_template=_read_chat_template(a.chat_template))
+                      chat_template=_read_chat_template(a.chat_template),
+                      reasoning_parser=a.reasoning_parser, aliases=a.served_model_name[1:])
     if a.host not in ("127.0.0.1", "localhost", "::1") and not st.api_key:
         print(f"sapwood serve: listening on {a.host}, not only this machine: the API has no "
               "authentication (--api-key or SAPWOOD_API_KEY sets a key)", file=sys.stderr)
@@ -373,8 +419,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE|chatml",
                    help="the Jinja template chat messages are written with, instead of the "
                         "checkpoint's (default: the checkpoint's; without one, ChatML)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="split <think>...</think> into reasoning_content: qwen3 always, none "
+                        "never, auto when the chat template writes thinking (Qwen3.5's does)")
     p.add_argument("--model-id", default=None,
                    help="the model name clients send (default: 'default' or the directory name)")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="the model's names for clients (vLLM's): the first is --model-id, the "
+                        "others aliases requests may send too")
     p.add_argument("--api-key", default=None,
                    help="requests must send 'Authorization: Bearer KEY', else 401; /health stays "
                         "open (default: $SAPWOOD_API_KEY, else no key)")

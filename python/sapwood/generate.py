@@ -11,7 +11,7 @@ verify mode, width or drafter.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -76,6 +76,9 @@ class DecodeConfig:
     rows: int = 8                # lattice rows drafted per cycle (the most, with adapt_rows)
     adapt_rows: bool = True      # chain, auto: fewer rows while the draft keeps few (the policy)
     stop_ids: tuple = ()
+    # grammar.Constraint: every pick, tree nodes included, drawn under the grammar's mask
+    # along its own path (grammar.py); None: unconstrained
+    constraint: object = None
 
     def validate(self):
         if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens <= 0:
@@ -110,7 +113,15 @@ class Decoder:
 
     def __init__(self, engine, drafter, cfg: DecodeConfig, policy: Policy | None = None,
                  on_round=None, clock=time.perf_counter):
-        self.engine, self.drafter, self.cfg = engine, drafter, cfg.validate()
+        cfg = cfg.validate()
+        self.matcher = None  # a constrained request's grammar state (grammar.Matcher)
+        self._masks = None   # this round's tree's mask rows (_constrain), for _verify_walk
+        if cfg.constraint is not None:
+            self.matcher = cfg.constraint.matcher()
+            # the grammar's end of text ends the request, as an eos does
+            extra = tuple(t for t in cfg.constraint.stop_ids if t not in cfg.stop_ids)
+            cfg = replace(cfg, stop_ids=tuple(cfg.stop_ids) + extra)
+        self.engine, self.drafter, self.cfg = engine, drafter, cfg
         if hasattr(drafter, "set_sampling"):  # a model drafter follows the sampler's noise
             drafter.set_sampling(cfg.params.temperature, cfg.params.seed)
         self.policy = policy or Policy()
@@ -148,7 +159,7 @@ class Decoder:
         if self.drafter is None:
             return "off"
         if mode in ("tree", "auto") and not self._tree_eligible:
-            mode = "chain"  # penalties, constraints: always the chain
+            mode = "chain"  # penalties: always the chain (constraints are per-node masks)
         if mode == "auto" and cfg.adapt_rows:
             mode, self._rows = self.req.plan(self._behind, cfg.rows)
         elif mode == "auto":
@@ -230,7 +241,8 @@ class Decoder:
             self._behind = len(self.context)
             self._prompt_pending = True  # the first catch-up is the draft's prefill
         self._walk_kw = self._sampling()
-        root = int(sample(logits, len(self.context), **self._walk_kw))
+        first_mask = None if self.matcher is None else self.matcher.mask()[0]
+        root = int(sample(logits, len(self.context), **self._walk_kw, mask=first_mask))
         st.prefill_s = self.clock() - t0
         t_start = self.clock()
         try:
@@ -260,10 +272,13 @@ class Decoder:
                     mode = "plain"
                 if mode in ("off", "plain"):  # the root alone: no tree
                     tree, wide, calibration, learn_from = None, False, False, None
-                    path, picks = self._verify_walk(_root_tree(root), None, False)
+                    path, picks = self._verify_walk(self._constrain(_root_tree(root), None),
+                                                    None, False)
                     committed = [root]
                 else:
                     tree, wide, logits, learn_from = self._build(root, mode, room, emit)
+                    # forced text drafted at most as deep as the rows the policy counts
+                    tree = self._constrain(tree, logits, min(emit - 1, cfg.rows))
                     calibration = logits is not None
                     # a draft model drafts next, on this thread: the target's worker folds
                     # the committed GDN steps meanwhile, which the next verify would fold
@@ -271,6 +286,8 @@ class Decoder:
                     # the path's tokens: the root, then each pick that found its child
                     committed = [root] + picks[:-1]
                 self.context.extend(committed)
+                if self.matcher is not None:
+                    self.matcher.advance(committed)
                 if mode != "off" and not self._drafted[0]:
                     # nothing drafted (a plain round, a tree of width 1): the drafter catches
                     # up when it next drafts. Advanced at every round, a draft model ran a
@@ -359,11 +376,24 @@ class Decoder:
             self.stats.draft_prefill_s, self._prompt_pending = self._caught_up[1], False
         self._unsent, self._behind = [], 0
 
+    def _constrain(self, tree, logits, depth=0):
+        """A constrained request's round: the tree less the drafts its grammar forbids (kept
+        when `logits`, a calibration's, already scored it: never reached either way), plus the
+        text the grammar forces below its leaves, down to `depth` (the round's emit - 1), its
+        mask rows kept for _verify_walk (grammar.PathMatcher.tree_masks)."""
+        if self.matcher is None:
+            return tree
+        prune = logits is None
+        tree, self._masks = self.matcher.tree_masks(tree, prune, depth if prune else 0)
+        return tree
+
     def _verify_walk(self, tree, logits, fold_in_background):
         """Verify the round's tree (unless `logits`, a calibration's, already scored it), walk
         it and commit the path: (path, picks), in one engine call (Engine.verify_walk: the
         picks made in the engine, no logits copied out). self.verify_s: the call's time."""
         eng, kw = self.engine, self._walk_kw
+        if self._masks is not None:  # one row per node: its pick's grammar state
+            kw, self._masks = dict(kw, mask=self._masks), None
         if logits is not None:
             return walk_and_commit(eng, logits, tree.tokens, tree.parents, fold_in_background,
                                    **kw)

@@ -177,7 +177,8 @@ class Model:
     def generate(self, prompt, *, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  seed=0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                  drafter=None, verify="auto", width=None, rows=8, adapt_rows=True, stop=None,
-                 stream=False, cache_prompt=False, on_round=None, session=None):
+                 stream=False, cache_prompt=False, on_round=None, session=None,
+                 json_schema=None, regex=None, grammar=None):
         """Generate from `prompt` (text, token ids, or chat messages when the checkpoint has a
         chat template). Output is identical for every verify mode, width and drafter.
         rows: draft rows per round; with adapt_rows (chain and auto) the most, fewer while the
@@ -193,6 +194,9 @@ class Model:
         contexts use it). session: a Session of this model (Model.session()) to run on, which
         keeps the sequence between requests: a prompt that extends the tokens it holds (a
         chat's next turn) prefills only the new ones.
+        json_schema (a dict or its JSON text) / regex / grammar (Lark, or GBNF): every token is
+        drawn among those the constraint allows (grammar.py), identically in every mode; the
+        request ends when the constraint is complete (its eos).
         """
         from .generate import DecodeConfig
         from .sampling import SamplingParams
@@ -204,8 +208,14 @@ class Model:
                                 presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        constraint = None
+        if json_schema is not None or regex is not None or grammar is not None:
+            from .grammar import compile_constraint
+            constraint = compile_constraint(self, json_schema=json_schema, regex=regex,
+                                            grammar=grammar)
         cfg = DecodeConfig(max_tokens=max_tokens, params=params, verify=verify, width=width,
-                           rows=rows, adapt_rows=adapt_rows, stop_ids=self.eos_ids()).validate()
+                           rows=rows, adapt_rows=adapt_rows, stop_ids=self.eos_ids(),
+                           constraint=constraint).validate()
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         claimed = []

@@ -112,11 +112,15 @@ def filtered_probs(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> np
 
 
 def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-           history=(), repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0):
+           history=(), repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+           mask=None):
     """logits [V] with an int position -> int; logits [N, V] with positions [N] -> int64 [N].
     `position` is the index the sampled token will have in the sequence (prompt included).
     Penalties apply to every row, counting the token ids in `history` (the caller chooses
-    which count: generate passes the whole context), as reference.apply_penalties does."""
+    which count: generate passes the whole context), as reference.apply_penalties does.
+    mask: allowed-token bitmasks (int32/uint32 [N, ceil(V/32)], or [ceil(V/32)] for logits
+    [V]: the layout llguidance and xgrammar fill), applied before everything else: a
+    disallowed id is never drawn; a row allowing nothing raises ValueError."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=seed, repetition_penalty=repetition_penalty,
                             presence_penalty=presence_penalty,
@@ -133,6 +137,10 @@ def sample(logits, positions, *, seed=0, temperature=0.0, top_k=0, top_p=1.0, mi
     pos = as_u64(pos, "positions").reshape(-1)
     if x.dtype not in (np.float32, np.float64):
         x = x.astype(np.float64)  # exact for every float16 and int32; what check_logits takes
+    if mask is not None:
+        mask = np.asarray(mask)
+        if x.ndim == 1 and mask.ndim == 1:
+            mask = mask[None]
     tok = _core.sample(np.ascontiguousarray(np.atleast_2d(x)), pos, **params.engine_kwargs(),
-                       history=history)
+                       history=history, mask=mask)
     return int(tok[0]) if x.ndim == 1 else tok

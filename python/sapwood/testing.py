@@ -68,16 +68,22 @@ def _train_merges(n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def make_tokenizer(vocab: int):
-    """Byte-level BPE with ids < vocab: byte tokens, then the special tokens, then merges."""
+# Qwen3.5's markup tokens, for checkpoints that test thinking and tool calls (special_tokens=)
+QWEN_MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def make_tokenizer(vocab: int, special_tokens=()):
+    """Byte-level BPE with ids < vocab: byte tokens, then the special tokens (EOS, im_start,
+    im_end, then `special_tokens`), then merges."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     b2u = _bytes_to_unicode()
     table = [b2u[b] for b in range(256) if b not in _NON_UTF8]
-    n_base = len(table) + len(SPECIAL_TOKENS)
+    specials = SPECIAL_TOKENS + tuple(special_tokens)
+    n_base = len(table) + len(specials)
     if vocab < n_base:
         raise ValueError(f"vocab={vocab} is too small for the tokenizer (needs >= {n_base})")
-    ids = {tok: i for i, tok in enumerate(table + list(SPECIAL_TOKENS))}
+    ids = {tok: i for i, tok in enumerate(table + list(specials))}
     merges = _train_merges(vocab - n_base)
     for i, (a, b) in enumerate(merges):
         ids[a + b] = n_base + i
@@ -85,8 +91,8 @@ def make_tokenizer(vocab: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     # the specials are in the model vocab (ids 243..245), so marking them special keeps their ids
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    assert tok.token_to_id(SPECIAL_TOKENS[-1]) == n_base - 1 and tok.get_vocab_size() <= vocab
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    assert tok.token_to_id(specials[-1]) == n_base - 1 and tok.get_vocab_size() <= vocab
     return tok
 
 
@@ -202,7 +208,7 @@ def random_lattice(rows: int, k: int, seed: int, vocab: int):
 def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=False, hk=2, hv=4,
                          dk=16, dv=16, n_heads=4, n_kv_heads=2, head_dim=32, intermediate=128,
                          conv_kernel=4, head_order="grouped", dtype="float32", layer_types=None,
-                         mtp=False, layout="plain") -> dict:
+                         mtp=False, layout="plain", special_tokens=()) -> dict:
     """Write an HF-format Qwen3_5ForCausalLM directory at `path`; return its config dict.
 
     mtp=True adds a multi-token-prediction head (`mtp.*`, random, one layer; config
@@ -216,6 +222,7 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
     transformers knows only grouped order, so only the sapwood references can run it.
     dtype: "float32", "float16" or "bfloat16" (written by hand: numpy has no bfloat16).
     layer_types: per layer "linear_attention" or "full_attention" (default: every 4th full).
+    special_tokens: more special tokens after EOS, im_start, im_end (e.g. QWEN_MARKUP).
     """
     from safetensors.numpy import save_file
 
@@ -227,7 +234,7 @@ def make_tiny_checkpoint(path, *, seed=0, vocab=256, hidden=64, layers=4, tied=F
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(vocab)
+    tok = make_tokenizer(vocab, special_tokens)
     rot_half = int(head_dim * 0.25) // 2
     config = {
         "architectures": ["Qwen3_5ForCausalLM"],

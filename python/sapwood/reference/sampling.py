@@ -121,9 +121,35 @@ def filtered_probs(x: np.ndarray, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0
     return p / p.sum(axis=1, keepdims=True)
 
 
+def allowed(mask, v: int) -> np.ndarray:
+    """Allowed-token bitmasks [N, ceil(v/32)] (int32 or uint32: bit i % 32 of word i // 32
+    allows id i, llguidance's and xgrammar's layout) -> bool [N, v]."""
+    m = np.ascontiguousarray(np.asarray(mask).astype(np.uint32, copy=False)).astype("<u4")
+    bits = np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :v].astype(bool)
+
+
+def apply_mask(x: np.ndarray, mask) -> np.ndarray:
+    """Logits [N, V] with the ids the mask disallows at -inf: the mask comes before every other
+    step (penalties leave -inf at -inf, so before or after them is the same). A row that
+    allows nothing, or only -inf logits, raises."""
+    ok = allowed(mask, x.shape[1])
+    out = np.where(ok, x, -np.inf)
+    for r in range(len(x)):
+        if not ok[r].any():
+            raise ValueError(f"token mask row {r} allows no token: nothing can be sampled")
+        if not np.isfinite(out[r]).any():
+            raise ValueError(f"token mask row {r} allows only tokens whose logits are -inf: "
+                             "nothing can be sampled")
+    return out
+
+
 def sample(x: np.ndarray, positions: np.ndarray, *, seed=0, temperature=0.0, top_k=0, top_p=1.0,
-           min_p=0.0) -> np.ndarray:
-    """Checked float64 logits [N, V], positions uint64 [N] -> int64 tokens [N]."""
+           min_p=0.0, mask=None) -> np.ndarray:
+    """Checked float64 logits [N, V], positions uint64 [N] -> int64 tokens [N]. mask: allowed-
+    token bitmasks [N, ceil(V/32)] (apply_mask), or None."""
+    if mask is not None:
+        x = apply_mask(x, mask)
     if temperature == 0:
         return x.argmax(axis=1).astype(np.int64)
     s = scaled(x, temperature)

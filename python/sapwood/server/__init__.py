@@ -68,11 +68,11 @@ def default_parallel(cores: int, free_bytes: int, shared_bytes: int, per_slot_by
 def machine_parallel(model, *, weights: str, kv: str, max_context: int, threads=None):
     """default_parallel for this machine and `model` (a checkpoint directory or "default"),
     from its config.json alone: nothing is loaded."""
-    from ..loading import default_target_path, read_config
-    from ..memory import available_bytes, estimate_config
+    from ..loading import default_target_path
+    from ..memory import available_bytes, estimate
 
     d = default_target_path() if model == "default" else model
-    est = estimate_config(read_config(d), weights=weights, kv=kv, max_context=max_context)
+    est = estimate(d, weights=weights, kv=kv, max_context=max_context)  # "auto" resolved
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return default_parallel(cores or 1, available_bytes(), est.total - est.per_sequence,
                             est.per_sequence, threads)
@@ -87,11 +87,12 @@ def _slot_threads(threads, parallel: int):
 
 
 def build(model="default", *, drafter=None, parallel: int = 1, max_context: int = 4096,
-          cache_mb: float = 256, max_queue: int = 64, weights: str = "q8", kv: str = "int8",
+          cache_mb: float = 256, max_queue: int = 64, weights: str = "auto", kv: str = "int8",
           backend: str = "cpu", threads=None, model_id: str | None = None,
           loader=None, batch_verify: bool = False,
           max_body_mb: float = DEFAULT_MAX_BODY_MB, api_key: str | None = None,
-          cors_origins=(), chat_template: str | None = None) -> ServerState:
+          cors_origins=(), chat_template: str | None = None, reasoning_parser: str = "auto",
+          aliases=()) -> ServerState:
     """Load `parallel` slots of `model` and return the server state create_app serves.
 
     drafter: None (the model's attached draft, else its MTP head when the checkpoint has one,
@@ -107,6 +108,10 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
     browser pages may call the API ("*": any); empty: CORS off (server/access.py).
     chat_template: Jinja source that replaces the checkpoint's template; None: the checkpoint's,
     else ChatML with a warning (chat_template.template_for, the Python API's rule too).
+    reasoning_parser: "qwen3" splits <think>...</think> into reasoning_content, "none" leaves
+    it in content, "auto" (default) splits when the chat template writes thinking blocks
+    (Qwen3.5's does; server/reasoning.py). aliases: more names clients may send for the
+    model (vLLM's --served-model-name NAME ALIAS...); responses name model_id.
     """
     import sapwood
 
@@ -169,7 +174,8 @@ def build(model="default", *, drafter=None, parallel: int = 1, max_context: int 
                         (first.path.name if first.path is not None else "model"))
     st = ServerState(scheduler, cache, name, token_bytes_table(first.tokenizer),
                      max_body_bytes=max(1, int(max_body_mb * 2 ** 20)), api_key=api_key,
-                     cors_origins=cors_origins)
+                     cors_origins=cors_origins, reasoning_parser=reasoning_parser,
+                     aliases=aliases)
     done.append(lambda slot, r: st.metrics.choice_done(r))
     return st
 

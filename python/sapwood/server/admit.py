@@ -27,6 +27,7 @@ from ..generate import DecodeConfig
 from ..sampling import SamplingParams
 from .protocol import (IGNORED, IGNORED_CHAT, ApiError, ChatRequest, CompletionRequest,
                        note_ignored, validation_error)
+from .reasoning import THINK_CLOSE, prompt_opens_thinking
 
 DEFAULT_MAX_BODY_MB = 16.0
 # The deepest JSON a valid request has is 5 levels (messages, a message, its content parts, a
@@ -129,6 +130,9 @@ class Admitted:
     prompts: list
     max_tokens: list      # per prompt
     logprobs: int | None
+    constraint: object = None  # grammar.Constraint: structured output, or None
+    thinking: bool = False     # the prompt opened a thinking block (reasoning.py)
+    tools: list | None = None  # the tools whose calls the output is parsed for (tools.py)
 
 
 def _context_error(st, what: str, param: str) -> ApiError:
@@ -182,6 +186,58 @@ def _check_values(st, req, limit) -> None:
         raise ApiError(400, msg, name, code="invalid_value") from None
 
 
+def compile_constraint(st, req):
+    """The request's structured output (response_format, guided_*) compiled for the served
+    model's tokenizer, or None; a schema, regex or grammar llguidance cannot use is a 400
+    naming the field and the problem."""
+    asked = req.constraint()
+    if asked is None:
+        return None
+    param, kw = asked
+    from ..grammar import compile_constraint as compile_
+    try:
+        return compile_(st.model, **kw)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param, code="invalid_value") from None
+    except RuntimeError as e:  # llguidance missing: the server's, not the client's
+        raise ApiError(500, f"{param}: {e}", param, type="server_error") from None
+
+
+def tool_constraint(st, tools, names, parallel):
+    """tool_choice required (names None) or named: the grammar of Qwen3.5's tool-call blocks
+    (tools.call_grammar), compiled for the served model."""
+    from ..grammar import compile_constraint as compile_
+    from .tools import TOOL_OPEN, call_grammar
+    special = st.model.tokenizer.token_to_id(TOOL_OPEN) is not None
+    try:
+        return compile_(st.model, grammar=call_grammar(tools, names, parallel, special))
+    except ValueError as e:  # a parameter schema llguidance cannot use
+        raise ApiError(400, f"tools: {e}", "tools", code="invalid_value") from None
+
+
+def thinking_constraint(st, req, thinking: bool, constraint):
+    """A chat whose prompt opened Qwen3.5's <think>: the response's constraint applies after
+    </think> only, and thinking_budget caps the reasoning tokens (grammar.ThinkingConstraint).
+    Unchanged otherwise; thinking_budget without a thinking block is a 400."""
+    if not thinking:
+        if req.thinking_budget is not None:
+            raise ApiError(400, "thinking_budget: the prompt opens no thinking block (thinking "
+                                "is off: chat_template_kwargs.enable_thinking, or the template "
+                                "has none)", "thinking_budget")
+        return constraint
+    end = st.model.tokenizer.token_to_id(THINK_CLOSE)
+    if end is None:  # a template with <think> over a tokenizer without the token
+        if req.thinking_budget is not None:
+            raise ApiError(400, f"thinking_budget: the tokenizer has no {THINK_CLOSE} token",
+                           "thinking_budget")
+        return constraint
+    if constraint is None and req.thinking_budget is None:
+        return None
+    from ..grammar import ThinkingConstraint, stop_ids_of
+    return ThinkingConstraint(int(end), req.thinking_budget, constraint,
+                              int(st.model.config.vocab_size), stop_ids_of(st.model))
+
+
 def prepare(st, raw: bytes, chat: bool) -> Admitted:
     """Parse and check a request body and encode its prompts (on a worker thread). Cheap checks
     first: nothing is rendered or tokenized for a request refused anyway."""
@@ -191,7 +247,7 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
     except ValidationError as e:
         raise validation_error(e) from None
     note_ignored(req, IGNORED_CHAT if chat else IGNORED)
-    if req.model != st.model_id:
+    if req.model not in st.model_names:
         raise st.model_not_found(req.model)
     _check_drafter(st, req)
     choices = req.n * (1 if chat else len(req.prompt))
@@ -204,20 +260,34 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                        code="too_many_choices")
     limit, logprobs = (req.limit(), req.logprob_count()) if chat else (req.max_tokens, req.logprobs)
     _check_values(st, req, limit)
+    constraint = compile_constraint(st, req)
     if limit is not None and limit >= st.max_context:  # no prompt leaves that much room
         raise ApiError(400, f"max_tokens is {limit}; this model's context holds "
                             f"{st.max_context} tokens, the prompt's included (at most "
                             f"{st.max_context - 1})", "max_tokens", code="context_length_exceeded")
     param = "messages" if chat else "prompt"
     vocab = st.model.config.vocab_size
+    thinking, tools = False, None
     if chat:
+        tools, names, parallel = req.tool_mode()
+        if names != []:  # required or named: a grammar of tool-call blocks
+            if constraint is not None:
+                raise ApiError(400, "tool_choice and a structured output both constrain the "
+                                    "output: give one", "tool_choice")
+            constraint = tool_constraint(st, tools, names, parallel)
+        kw = dict(req.chat_template_kwargs or {})
+        if tools:
+            kw["tools"] = tools
         try:
-            text = st.model.apply_chat_template([m.as_template_dict() for m in req.messages])
+            text = st.model.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                                **kw)
         except Exception as e:  # noqa: BLE001 - the template's errors (raise_exception...)
             raise ApiError(400, f"the chat template refused these messages: {e}",
                            "messages") from None
         check_prompt_chars(st, text, param)
         prompts = [encode(st, text)]
+        thinking = st.reasoning and prompt_opens_thinking(text)
+        constraint = thinking_constraint(st, req, thinking, constraint)
     else:
         for p in req.prompt:  # every prompt's length before any is tokenized or scanned
             if isinstance(p, str):
@@ -246,4 +316,4 @@ def prepare(st, raw: bytes, chat: bool) -> Admitted:
                                 f"more (at most {room})", "max_tokens",
                            code="context_length_exceeded")
         budgets.append(max_tokens)
-    return Admitted(req, prompts, budgets, logprobs)
+    return Admitted(req, prompts, budgets, logprobs, constraint, thinking, tools)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over a Scheduler of slots (FastAPI on uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming with SSE),
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streaming
+with SSE; responses.py translates a Responses request into the chat request it means),
 GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics. A request's choices run as jobs
 on slots; their events come back from the slots' worker threads through the event loop. Every
 error, the framework's own included (an unknown route, a wrong method), is an OpenAI error
@@ -21,9 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .access import add_access, check_api_key, check_origins
-from .admit import DEFAULT_MAX_BODY_MB, Admitted, prepare, read_body, sampling_params
+from . import responses
+from .admit import (DEFAULT_MAX_BODY_MB, Admitted, parse_body, prepare, read_body,
+                    sampling_params)
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import SEED_LIMIT, ApiError
+from . import tools as tools_
+from .reasoning import PARSERS, Splitter, split, template_thinks
 from .slots import ChoiceError, ChoiceResult, Delta, Job, QueueFull, TooManyChoices
 from .text import chars_per_token_bound
 
@@ -39,8 +44,14 @@ class ServerState:
 
     def __init__(self, scheduler, cache, model_id: str, token_bytes=None,
                  max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2 ** 20),
-                 api_key: str | None = None, cors_origins=()):
+                 api_key: str | None = None, cors_origins=(), reasoning_parser: str = "auto",
+                 aliases=()):
         self.scheduler, self.cache, self.model_id = scheduler, cache, model_id
+        # every name a client may send: the served name first, then its aliases
+        self.model_names = tuple(dict.fromkeys([model_id, *aliases]))
+        for name in self.model_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"served model name {name!r}: must be a non-empty string")
         # access.py: None serves everyone; origins () turns CORS off
         self.api_key = None if api_key is None else check_api_key(api_key)
         self.cors_origins = check_origins(cors_origins)
@@ -54,6 +65,11 @@ class ServerState:
         self.executor = ThreadPoolExecutor(thread_name_prefix="sapwood-admit")
         self.metrics = Metrics(scheduler, cache)
         self.created = int(time.time())
+        if reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser={reasoning_parser!r}: must be one of {PARSERS}")
+        # reasoning.py: split Qwen3.5's <think> blocks into reasoning_content
+        self.reasoning = reasoning_parser == "qwen3" or (
+            reasoning_parser == "auto" and template_thinks(self.model.chat_template))
         gen = self.model.generation_config
         # as vLLM: the checkpoint's generation_config gives the defaults of unset fields
         sampled = bool(gen.get("do_sample", False))
@@ -66,8 +82,9 @@ class ServerState:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def model_not_found(self, name: str) -> ApiError:
+        served = ", ".join(repr(n) for n in self.model_names)
         return ApiError(404, f"model {name!r} is not served here (this server serves "
-                             f"{self.model_id!r})", "model", code="model_not_found")
+                             f"{served})", "model", code="model_not_found")
 
     def token_str(self, tok: int) -> str:
         """A token's text; one that alone is an incomplete UTF-8 sequence as its bytes,
@@ -113,7 +130,14 @@ class _Call:
                 params = sampling_params(st, req, choice_seed(seed, j))
                 self.jobs.append(Job(i * req.n + j, list(ids), max_tokens, params, opts.verify,
                                      opts.width, opts.drafter, req.stops(), adm.logprobs,
-                                     self._emit, stream=req.stream))
+                                     self._emit, stream=req.stream,
+                                     constraint=adm.constraint))
+        # reasoning.py: a chat's <think> block goes to reasoning_content, split per choice
+        self.split = chat and st.reasoning
+        self.thinking = adm.thinking
+        self.splitters: dict[int, Splitter] = {}
+        self.tools = adm.tools  # tools.py: the output's tool-call blocks become tool_calls
+        self.tool_streams: dict[int, tools_.Stream] = {}
         self.results: dict[int, ChoiceResult] = {}
         self.ended: set[int] = set()   # choices that reported (result, error or cancelled)
         self.error: BaseException | None = None
@@ -209,19 +233,52 @@ class _Call:
             r = self.results[i]
             lp = self.logprobs_obj(r.tokens, r.logprobs, r.ends) if self.want_logprobs() else None
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
-                                "logprobs": lp, "finish_reason": r.finish_reason})
+                msg = {"role": "assistant", "content": r.text}
+                if self.split:
+                    msg["reasoning_content"], msg["content"] = split(r.text, self.thinking)
+                finish = r.finish_reason
+                if self.tools:
+                    content, calls = tools_.parse(msg["content"], self.tools)
+                    if calls:
+                        msg["content"], msg["tool_calls"] = content or None, calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": msg, "logprobs": lp,
+                                "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": r.text, "logprobs": lp,
                                 "finish_reason": r.finish_reason})
         return {**self.head("chat.completion" if self.chat else "text_completion"),
                 "choices": choices, "usage": self.usage(), "sapwood": self.extension()}
 
-    def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool) -> dict:
+    def split_delta(self, index: int, text: str | None, end: bool = False) -> tuple:
+        """(reasoning, content) of a streamed piece of choice `index` (None: none of it);
+        end: the choice is done, flush what a possible tag held back."""
+        r, c = None, text
+        if self.split:
+            sp = self.splitters.setdefault(index, Splitter(self.thinking))
+            r, c = sp.finish() if end else sp.push(text or "")
+        if self.tools:  # content up to a possible call; the calls come with the end
+            ts = self.tool_streams.setdefault(index, tools_.Stream(self.tools))
+            c = ts.push(c or "")
+            if end:
+                rest, calls = ts.finish()
+                c += rest
+                ts.calls = calls
+        return r or None, c or None
+
+    def tool_calls_delta(self, index: int) -> list:
+        """The calls of a streamed choice that ended, as delta.tool_calls entries."""
+        ts = self.tool_streams.get(index)
+        return [{"index": k, **c} for k, c in enumerate(getattr(ts, "calls", None) or [])]
+
+    def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool,
+              reasoning: str | None = None) -> dict:
         if self.chat:
             delta = {}
             if first:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -244,7 +301,7 @@ def http_error(request: Request, e: HTTPException) -> ApiError:
     where = f"{request.method} {request.url.path}"
     if e.status_code == 404:
         return ApiError(404, f"no such route: {where} (the API is under /v1: completions, "
-                             "chat/completions, models)", code="unknown_url", headers=e.headers)
+                             "chat/completions, responses, models)", code="unknown_url", headers=e.headers)
     if e.status_code == 405:
         allow = (e.headers or {}).get("Allow", "")
         return ApiError(405, f"method not allowed: {where} (this path allows {allow})",
@@ -284,19 +341,19 @@ def create_app(st: ServerState) -> FastAPI:
         return {"status": "ok", "model": st.model_id, "slots": len(s.slots), "busy": s.busy,
                 "queue": s.queue_depth}
 
-    def model_object() -> dict:
-        return {"id": st.model_id, "object": "model", "created": st.created,
+    def model_object(name: str) -> dict:
+        return {"id": name, "object": "model", "created": st.created,
                 "owned_by": "sapwood", "max_model_len": st.max_context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_object()]}
+        return {"object": "list", "data": [model_object(n) for n in st.model_names]}
 
     @app.get("/v1/models/{model:path}")  # path: a served name may hold "/" (Qwen/Qwen3.5-9B)
     async def model(model: str):
-        if model != st.model_id:
+        if model not in st.model_names:
             raise st.model_not_found(model)
-        return model_object()
+        return model_object(model)
 
     @app.get("/metrics")
     async def metrics():
@@ -310,27 +367,46 @@ def create_app(st: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, chat=True)
 
-    async def _serve(request: Request, chat: bool):
-        endpoint = "chat" if chat else "completions"
+    @app.post("/v1/responses")
+    async def responses_(request: Request):
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
-            raw = await read_body(request, st.max_body_bytes)
-            adm = await asyncio.get_running_loop().run_in_executor(st.executor, prepare, st, raw,
-                                                                   chat)
-            call = _Call(st, chat, adm)
+            body = parse_body(await read_body(request, st.max_body_bytes))
+            chat = json.dumps(responses.to_chat(body)).encode()
             try:
-                st.scheduler.submit(call.jobs)
-            except TooManyChoices as e:  # prepare checked it; the scheduler has the last word
-                raise ApiError(400, str(e), "n", code="too_many_choices") from None
-            except QueueFull as e:
-                raise ApiError(503, f"the server is busy: {e}", type="server_error",
-                               code="queue_full") from None
+                adm = await loop.run_in_executor(st.executor, prepare, st, chat, True)
+            except ApiError as e:
+                raise responses.renamed(e) from None
+            call = _submit(_Call(st, True, adm))
         except ApiError as e:
-            m.requests.labels(endpoint, str(e.status)).inc()
+            m.requests.labels("responses", str(e.status)).inc()
             return e.response()
+        ids, created = responses.Ids(), time.time()
         if call.req.stream:
-            return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
+            return StreamingResponse(responses.stream(call, ids, body, created, api_error),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        err = await _wait(call, request, "responses")
+        if err is not None:
+            return err
+        m.requests.labels("responses", "200").inc()
+        m.latency.labels("responses").observe(time.perf_counter() - t0)
+        output, status = responses.output_items(call, ids, call.results[0])
+        return JSONResponse(responses.response_object(call, ids, body, created, output, status))
+
+    def _submit(call: _Call) -> _Call:
+        try:
+            st.scheduler.submit(call.jobs)
+        except TooManyChoices as e:  # prepare checked it; the scheduler has the last word
+            raise ApiError(400, str(e), "n", code="too_many_choices") from None
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy: {e}", type="server_error",
+                           code="queue_full") from None
+        return call
+
+    async def _wait(call: _Call, request: Request, endpoint: str):
+        """Wait for a request's choices; a Response when it failed or the client left."""
         try:
             checked = time.monotonic()
             while call.pending and call.error is None:  # the first error is the answer
@@ -352,6 +428,25 @@ def create_app(st: ServerState) -> FastAPI:
         if err is not None:
             m.requests.labels(endpoint, str(err.status)).inc()
             return err.response()
+        return None
+
+    async def _serve(request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        t0 = time.perf_counter()
+        try:
+            raw = await read_body(request, st.max_body_bytes)
+            adm = await asyncio.get_running_loop().run_in_executor(st.executor, prepare, st, raw,
+                                                                   chat)
+            call = _submit(_Call(st, chat, adm))
+        except ApiError as e:
+            m.requests.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        if call.req.stream:
+            return StreamingResponse(_stream(call, endpoint, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        err = await _wait(call, request, endpoint)
+        if err is not None:
+            return err
         m.requests.labels(endpoint, "200").inc()
         m.latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(call.response())
@@ -369,12 +464,28 @@ def create_app(st: ServerState) -> FastAPI:
                     d: Delta = payload
                     lp = (call.logprobs_obj(d.tokens, d.logprobs, d.ends, d.start)
                           if call.want_logprobs() and d.tokens else None)
-                    yield _sse(call.chunk(d.index, d.text, lp, None, d.index not in started))
-                    started.add(d.index)
+                    reasoning, text = call.split_delta(d.index, d.text)
+                    if reasoning or text is not None or lp is not None:
+                        yield _sse(call.chunk(d.index, text, lp, None, d.index not in started,
+                                              reasoning))
+                        started.add(d.index)
                 elif kind == "done":
                     r: ChoiceResult = payload
+                    reasoning, text = call.split_delta(r.index, None, end=True)
+                    if reasoning or text:
+                        yield _sse(call.chunk(r.index, text, None, None, r.index not in started,
+                                              reasoning))
+                        started.add(r.index)
+                    finish = r.finish_reason
+                    calls = call.tool_calls_delta(r.index) if call.chat else []
+                    if calls:
+                        c = call.chunk(r.index, None, None, None, r.index not in started)
+                        c["choices"][0]["delta"]["tool_calls"] = calls
+                        yield _sse(c)
+                        started.add(r.index)
+                        finish = "tool_calls" if finish == "stop" else finish
                     yield _sse(call.chunk(r.index, None if call.chat else "", None,
-                                          r.finish_reason, r.index not in started))
+                                          finish, r.index not in started))
                     started.add(r.index)
             else:
                 opts = call.req.stream_options

@@ -12,12 +12,14 @@ as the OpenAI API refuses them: a misspelt `temprature` must not pass unnoticed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any, ClassVar, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from ..sampling import PENALTY_RANGE, REPETITION_PENALTY_RANGE, SEED_LIMIT, TOP_K_MAX
@@ -95,18 +97,18 @@ log = logging.getLogger("sapwood.server")
 
 # Fields of the OpenAI API that cannot change what sapwood outputs: accepted with any value and
 # ignored (each logged once per process, so an operator learns what clients send). Storage,
-# billing and caching bookkeeping; `parallel_tool_calls` (no tools run here);
+# billing and caching bookkeeping;
 # `prediction`, a latency hint whose output is the model's own either way; `reasoning_effort`
 # and `verbosity`, hints without a defined effect on an open model (vLLM and llama.cpp
 # ignore them too: the chat template decides).
 IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
            "prompt_cache_retention", "prompt_cache_options")
-IGNORED_CHAT = IGNORED + ("parallel_tool_calls", "prediction", "reasoning_effort", "verbosity")
+IGNORED_CHAT = IGNORED + ("prediction", "reasoning_effort", "verbosity")
 _logged: set = set()
 
 
 # the reasons of refusals: each reads after the field's name, "tools: <why> (got ...)"
-_TOOLS = "tool calling is not supported by this server yet (issue 49)"
+_TOOLS = "the legacy functions API is not supported: use tools and tool_choice"
 _TEXT_ONLY = "this server reads and writes text only"
 
 
@@ -129,18 +131,42 @@ REFUSED_COMPLETION = {
 }
 REFUSED_CHAT = {
     **REFUSED,
-    "tools": (lambda v: v == [], _TOOLS),
-    "tool_choice": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
     "functions": (lambda v: v == [], _TOOLS),
     "function_call": (lambda v: v in ("none", "auto"), f"only 'none' or 'auto': {_TOOLS}"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        "only {'type': 'text'} is supported; structured output (json_object, "
-                        "json_schema) is not yet (issue 49)"),
     "modalities": (lambda v: v == ["text"], f"only ['text']: {_TEXT_ONLY}"),
     "audio": (lambda v: False, f"not supported: {_TEXT_ONLY}"),
     "web_search_options": (lambda v: False, "not supported: this server has no web search"),
     "moderation": (lambda v: False, "not supported: this server does not moderate requests"),
 }
+
+
+def _response_format(v):
+    """response_format as OpenAI defines it -> {"type": ...} checked: text, json_object, or
+    json_schema with {"name", "schema", "strict", "description"} (schema an object)."""
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError("must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                         "'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    extra = set(v) - {"type", "json_schema"}
+    if extra:
+        raise ValueError(f"unknown key {sorted(extra)[0]!r}")
+    if v["type"] != "json_schema":
+        if "json_schema" in v:
+            raise ValueError(f"json_schema given with type {v['type']!r}")
+        return v
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise ValueError("type 'json_schema' needs json_schema: {'name': ..., 'schema': {...}}")
+    extra = set(js) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise ValueError(f"json_schema: unknown key {sorted(extra)[0]!r}")
+    if "name" in js and not (isinstance(js["name"], str)
+                             and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", js["name"])):
+        raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+    if not isinstance(js.get("schema", {}), dict):
+        raise ValueError("json_schema.schema must be a JSON object (a JSON Schema)")
+    if js.get("strict") not in (None, True, False):
+        raise ValueError("json_schema.strict must be a boolean")
+    return v
 
 
 def note_ignored(req, names) -> None:
@@ -187,6 +213,11 @@ class _Sampling(_Strict):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     sapwood: SapwoodOptions = Field(default_factory=SapwoodOptions)
+    # vLLM's structured-output extensions (grammar.py compiles them at admission)
+    guided_json: Optional[Union[StrictStr, dict]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_grammar: Optional[StrictStr] = None
+    guided_choice: Optional[List[StrictStr]] = Field(None, min_length=1)
     # ignored (IGNORED) and refused unless neutral (REFUSED): any type here, the validators
     # below decide
     logit_bias: Any = None
@@ -222,6 +253,34 @@ class _Sampling(_Strict):
 
     def stops(self) -> list:
         return list(self.stop or [])
+
+    def constraint(self) -> tuple | None:
+        """(param, grammar.compile_constraint's keyword arguments) of the structured output
+        asked for, or None; ApiError when more than one is set."""
+        asked = []
+        rf = getattr(self, "response_format", None)
+        if rf is not None and rf["type"] != "text":
+            if rf["type"] == "json_object":
+                asked.append(("response_format", dict(json_object=True)))
+            else:
+                schema = rf["json_schema"].get("schema")
+                asked.append(("response_format.json_schema.schema",
+                              dict(json_schema=schema) if schema is not None
+                              else dict(json_object=True)))
+        if self.guided_json is not None:
+            asked.append(("guided_json", dict(json_schema=self.guided_json)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", dict(regex=self.guided_regex)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", dict(grammar=self.guided_grammar)))
+        if self.guided_choice is not None:
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.guided_choice)
+            asked.append(("guided_choice", dict(grammar=f"start: {alts}")))
+        if len(asked) > 1:
+            raise ApiError(400, f"{asked[0][0].split('.')[0]} and {asked[1][0].split('.')[0]} "
+                                "both constrain the output: give one", asked[1][0].split(".")[0],
+                           code="invalid_value")
+        return asked[0] if asked else None
 
 
 def _prompt(v):
@@ -266,7 +325,8 @@ class ContentPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Union[StrictStr, List[ContentPart]]
+    # null only in an assistant turn (one that made tool calls: _content_needed)
+    content: Optional[Union[StrictStr, List[ContentPart]]] = Field(None, validate_default=True)
     name: Optional[StrictStr] = None
     # an assistant turn as the API returns it, sent back: its refusal text and annotations
     # (web search citations) are ignored, nothing in a chat template renders them; tool calls
@@ -276,7 +336,7 @@ class Message(_Strict):
     tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
-    tool_call_id: Any = None  # declared: a tool message is refused for its role, not as unknown
+    tool_call_id: Optional[StrictStr] = None  # a tool result's call (the template may show it)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -290,27 +350,112 @@ class Message(_Strict):
                                      f"supported ({_TEXT_ONLY})")
         return v
 
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, v, info: ValidationInfo):
+        """A missing content is "messages.N.content is required", but for an assistant turn
+        (its tool_calls, declared later, are checked in _content_needed)."""
+        if v is None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("missing", "Field required")
+        return v
+
     @field_validator("role")
     @classmethod
     def _role(cls, v):
-        if v in ("tool", "function"):
-            raise ValueError(f"a tool's result needs tool calling: {_TOOLS}")
+        if v == "function":
+            raise ValueError(f"a 'function' message: {_TOOLS} ('tool' messages)")
         return v
 
-    @field_validator("tool_calls", "function_call", "audio", "tool_call_id")
+    @field_validator("function_call", "audio")
     @classmethod
     def _unsupported(cls, v, info: ValidationInfo):
-        if info.field_name == "tool_calls" and v == []:
-            return v
         raise ValueError(f"not supported: {_TEXT_ONLY}" if info.field_name == "audio" else _TOOLS)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v):
+        """An assistant turn's calls as the API returns them: their arguments (JSON text)
+        become the object Qwen3.5's template iterates over."""
+        if not isinstance(v, list):
+            raise ValueError("must be a list of {'id', 'type': 'function', 'function': "
+                             "{'name', 'arguments'}}")
+        out = []
+        for i, c in enumerate(v):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"call {i} needs function: {{'name', 'arguments'}}")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError as e:
+                raise ValueError(f"call {i}: arguments are not JSON ({e})") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"call {i}: arguments must be a JSON object")
+            out.append({"id": c.get("id"), "type": "function",
+                        "function": {"name": fn["name"], "arguments": args}})
+        return out
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant turn with "
+                             "tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant turn has tool_calls")
+        return self
+
     def as_template_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        c = self.content
+        text = c if isinstance(c, str) or c is None else "".join(p.text for p in c)
         # "developer" is the newer name of "system"; chat templates know the older one
-        d = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _tools(v):
+    """tools: [{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}], names unique."""
+    if not isinstance(v, list):
+        raise ValueError("must be a list of {'type': 'function', 'function': {...}}")
+    seen = set()
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name', "
+                             "'parameters', ...}}}")
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra or set(t) - {"type", "function"}:
+            raise ValueError(f"tool {i}: unknown key {sorted(extra or set(t) - {'type', 'function'})[0]!r}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ValueError(f"tool {i}: name must be 1-64 letters, digits, '_', '.' or '-', "
+                             f"got {name!r}")
+        if name in seen:
+            raise ValueError(f"tool {i}: name {name!r} given twice")
+        seen.add(name)
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise ValueError(f"tool {i} ({name}): parameters must be a JSON Schema of type "
+                             "'object'")
+        if not isinstance(params.get("properties", {}), dict):
+            raise ValueError(f"tool {i} ({name}): parameters.properties must be an object")
+    return v
+
+
+def _tool_choice(v):
+    if v in ("none", "auto", "required"):
+        return v
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', "
+                         "'function': {'name': ...}}")
+    return v
 
 
 class ChatRequest(_Sampling):
@@ -332,6 +477,56 @@ class ChatRequest(_Sampling):
     prediction: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    # vLLM's: extra variables for the chat template (Qwen3.5: enable_thinking)
+    chat_template_kwargs: Optional[dict] = None
+    # the most reasoning tokens (Qwen3.5's thinking); then </think> is the only token allowed
+    thinking_budget: Optional[StrictInt] = Field(None, ge=0)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_ok(cls, v):
+        return _tools(v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_ok(cls, v):
+        return _tool_choice(v)
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel_ok(cls, v):
+        if not isinstance(v, bool):
+            raise ValueError("must be a boolean")
+        return v
+
+    def tool_mode(self) -> tuple:
+        """(tools the template shows or None, the names a call must use: None any, [] no call
+        enforced, parallel). tool_choice none shows no tools; required enforces any tool;
+        a named one only it; auto lets the model choose."""
+        tools = self.tools or None
+        choice = self.tool_choice or ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        if choice == "none":
+            return None, [], parallel
+        if choice == "auto":
+            return tools, [], parallel
+        if choice == "required":
+            return tools, None, parallel
+        name = choice["function"]["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools",
+                           "tool_choice")
+        return tools, [name], parallel
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        taken = {"messages", "add_generation_prompt", "tools"} & set(v)
+        if taken:
+            raise ValueError(f"{sorted(taken)[0]!r} is set by the request itself, not here")
+        return v
 
     def limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -339,6 +534,11 @@ class ChatRequest(_Sampling):
             raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                                 f"({self.max_completion_tokens}) disagree", "max_completion_tokens")
         return self.max_completion_tokens or self.max_tokens
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v):
+        return _response_format(v)
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -71,6 +71,7 @@ class Job:
     # a chat's next turn whose template renders this turn's reply as other tokens than it had
     keep_prompt: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
+    constraint: object = None    # grammar.Constraint: structured output (each job its matcher)
 
 
 @dataclass
@@ -346,7 +347,8 @@ class Slot:
     def _run(self, job: Job) -> ChoiceResult:
         model = self.model
         cfg = DecodeConfig(max_tokens=job.max_tokens, params=job.params, verify=job.verify,
-                           width=job.width, stop_ids=model.eos_ids()).validate()
+                           width=job.width, stop_ids=model.eos_ids(),
+                           constraint=job.constraint).validate()
         drafter = None if cfg.verify == "off" else self._drafter(job.drafter)
         model.engine.reset()
         rec = _Recorder(model.engine, keep=job.logprobs is not None, batcher=self.batcher)

@@ -1,0 +1,158 @@
+"""POST /v1/responses through the openai client's responses.create (issue 49): text in and out
+as the chat request it means (same tokens), reasoning items, function calls and their outputs
+going back as input items, text.format constraints identical in every verify mode, streaming
+events joined to the result, and errors naming the Responses fields."""
+import json
+
+import pytest
+from test_server_tools import TEMPLATE, TOOLS, weather_ok
+from util import LiveServer, require_packages
+
+require_packages("openai")
+
+import openai  # noqa: E402
+
+from sapwood import server  # noqa: E402
+from sapwood.testing import QWEN_MARKUP, make_tiny_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
+TIMEOUT = 60
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+MODES = [{"verify": "off"}, {"verify": "chain"}, {"verify": "tree", "width": 8},
+         {"verify": "auto"}]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("responses") / "target"
+    make_tiny_checkpoint(root, seed=6, layers=2, special_tokens=QWEN_MARKUP)
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    cfg = json.loads((root / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    st = server.build(str(root), parallel=1, max_context=2048, cache_mb=0, model_id="tiny",
+                      drafter="lookup")
+    srv = LiveServer(st, TIMEOUT)
+    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
+                               timeout=TIMEOUT)
+    yield srv
+    srv.close()
+
+
+def test_text_in_text_out_is_the_chat_answer(live):
+    r = live.client.responses.create(model="tiny", input="Hello there", max_output_tokens=16,
+                                     temperature=0.8, extra_body={"seed": 3, **NO_THINK})
+    c = live.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=16,
+        temperature=0.8, seed=3, extra_body=NO_THINK)
+    assert r.object == "response" and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.output_tokens == 16 and r.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_instructions_and_items_and_reasoning(live):
+    r = live.client.responses.create(
+        model="tiny", instructions="Be brief.", max_output_tokens=24, temperature=0.0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+               {"role": "user", "content": "More?"}],
+        extra_body={"thinking_budget": 5})
+    kinds = [o.type for o in r.output]
+    assert kinds[0] == "reasoning" and "message" in kinds
+    assert r.output[0].content[0].text  # the reasoning text, capped by the budget
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_text_format_json_schema_in_every_mode(live, temperature):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    outs = []
+    for mode in MODES:
+        r = live.client.responses.create(
+            model="tiny", input="A number as JSON", max_output_tokens=40, temperature=temperature,
+            text={"format": {"type": "json_schema", "name": "num", "schema": schema,
+                                     "strict": True}},
+            extra_body={"sapwood": mode, "seed": 5, **NO_THINK})
+        outs.append(r.output_text)
+    assert all(o == outs[0] for o in outs)
+    assert 0 <= json.loads(outs[0])["n"] <= 99
+
+
+def test_function_calls_and_their_outputs(live):
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = live.client.responses.create(model="tiny", input="Weather?", tools=tools,
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     max_output_tokens=120, temperature=0.5,
+                                     parallel_tool_calls=False, extra_body={"seed": 1, **NO_THINK})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    assert weather_ok(json.loads(calls[0].arguments))
+    follow = live.client.responses.create(
+        model="tiny", tools=tools, max_output_tokens=8, extra_body=NO_THINK,
+        input=[{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete")
+
+
+def test_streaming_events_join_to_the_result(live):
+    kw = dict(model="tiny", input="Tell me", max_output_tokens=30, temperature=0.9,
+              extra_body={"thinking_budget": 6, "seed": 4})
+    whole = live.client.responses.create(**kw)
+    deltas, reasoning, types, final = [], [], [], None
+    for ev in live.client.responses.create(stream=True, **kw):
+        types.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "response.reasoning_text.delta":
+            reasoning.append(ev.delta)
+        elif ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert types[0] == "response.created" and final is not None
+    assert "".join(deltas) == whole.output_text == final.output_text
+    assert "".join(reasoning) == whole.output[0].content[0].text
+
+
+@pytest.mark.parametrize("kw, param, text", [
+    (dict(input="x", previous_response_id="resp_1"), "previous_response_id", "stores no"),
+    (dict(input="x", max_output_tokens=0), "max_output_tokens", ""),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+     "input.0.content", "input_image"),
+    (dict(input="x", tools=[{"type": "web_search"}]), "tools", "web_search"),
+    (dict(input="x", text={"format": {"type": "json_schema", "name": "s",
+                                      "schema": {"type": "frob"}}}),
+     "text.format.json_schema.schema", "frob"),
+    (dict(input=[]), "input", "non-empty"),
+])
+def test_bad_requests_name_the_responses_field(live, kw, param, text):
+    with pytest.raises(openai.BadRequestError) as e:
+        live.client.responses.create(model="tiny", **kw)
+    assert e.value.body["param"] == param and text in e.value.body["message"], e.value.body
+
+
+def test_unknown_fields_are_refused(live):
+    r = live.post({"model": "tiny", "input": "x", "temprature": 1}, path="/v1/responses")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_field"
+
+
+def test_served_model_name_aliases(tmp_path):
+    from util import tiny_server_target
+    target = tiny_server_target(tmp_path)
+    st = server.build(str(target), parallel=1, max_context=128, cache_mb=0, model_id="main",
+                      aliases=["alias-1", "org/alias-2"])
+    srv = LiveServer(st, TIMEOUT)
+    try:
+        ids = [m["id"] for m in srv.http.get("/v1/models").json()["data"]]
+        assert ids == ["main", "alias-1", "org/alias-2"]
+        assert srv.http.get("/v1/models/org/alias-2").json()["id"] == "org/alias-2"
+        for name in ids:
+            r = srv.post({"model": name, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "main"
+        r = srv.post({"model": "other", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404 and "'alias-1'" in r.json()["error"]["message"]
+    finally:
+        srv.close()
