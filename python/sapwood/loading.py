@@ -546,8 +546,8 @@ def _warn_undecodable(ck: Checkpoint) -> None:
     first = next(i for i in range(ck.config.vocab_size) if i not in have)
     _undecodable_warned.add(str(ck.path))
     warnings.warn(f"{ck.path.name}: the model's vocab_size={ck.config.vocab_size} exceeds the "
-                  f"tokenizer's {len(have)} tokens: {missing} ids the model can produce (the "
-                  f"first {first}) have no text and decode to nothing (a trained model seldom "
+                  f"tokenizer's {len(have)} tokens: {missing} ids the model can produce (the first "
+                  f"is id {first}) have no text and decode to nothing (a trained model seldom "
                   "picks them)", stacklevel=3)
 
 
