@@ -43,7 +43,7 @@ PADDED = dict(requests=4, widths="1-16", python_ms=0.4)
 UNPADDED = dict(requests=4, widths="1-16", python_ms=0.15, max_tokens=128)
 # The round's Python per kind of round once the round runs in the engine (issue 53): `python
 # bench/round_cost.py default --drafter default --kinds` (bench/results/zen4_vnni/stop48/
-# python_per_kind.json, a quiet host), medians. --python kinds (the default) charges every
+# python_per_kind.json.gz, a quiet host), medians. --python kinds (the default) charges every
 # recording these instead of the flat figures above (--python flat): the rounds' Python
 # before it moved into the engine.
 KINDS = {"off": 0.022, "plain": 0.022, "chain": 0.31, "tree": 0.39, "wide": 0.34}
