@@ -19,7 +19,11 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 
 IDS = [5, 17, 99, 3, 250, 42, 7]
 ARCH = "qwen35"
-LAYER = {  # HF suffix -> (GGUF suffix, stored plus one): conversion/qwen.py's renames
+# HF suffix -> (GGUF suffix, stored plus one): conversion/qwen.py's renames, written out here
+# on purpose rather than imported from formats/gguf.py: the writer is the converter's spec (its
+# output matched the real converter's, scripts/gguf_crosscheck.py), so a wrong name in the
+# reader fails these tests instead of agreeing with itself
+LAYER = {
     "input_layernorm.weight": ("attn_norm.weight", True),
     "post_attention_layernorm.weight": ("post_attention_norm.weight", True),
     "linear_attn.in_proj_qkv.weight": ("attn_qkv.weight", False),

@@ -5,7 +5,7 @@ events joined to the result, and errors naming the Responses fields."""
 import json
 
 import pytest
-from test_server_tools import TEMPLATE, TOOLS, weather_ok
+from test_server_tools import TOOLS, qwen_markup_server, weather_ok
 from util import LiveServer, require_packages
 
 require_packages("openai")
@@ -13,7 +13,6 @@ require_packages("openai")
 import openai  # noqa: E402
 
 from sapwood import server  # noqa: E402
-from sapwood.testing import QWEN_MARKUP, make_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("engine_default_parallel_work")  # conftest.py: why
 TIMEOUT = 60
@@ -24,17 +23,7 @@ MODES = [{"verify": "off"}, {"verify": "chain"}, {"verify": "tree", "width": 8},
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    root = tmp_path_factory.mktemp("responses") / "target"
-    make_tiny_checkpoint(root, seed=6, layers=2, special_tokens=QWEN_MARKUP)
-    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    cfg = json.loads((root / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = TEMPLATE
-    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
-    st = server.build(str(root), parallel=1, max_context=2048, cache_mb=0, model_id="tiny",
-                      drafter="lookup")
-    srv = LiveServer(st, TIMEOUT)
-    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
-                               timeout=TIMEOUT)
+    srv = qwen_markup_server(tmp_path_factory, "responses", parallel=1)
     yield srv
     srv.close()
 

@@ -5,10 +5,9 @@ seeded sampled, identical in every verify mode; bad schemas get OpenAI 400s nami
 a bounded mixed load across slots gives each request its solo answer."""
 import json
 import re
-import threading
 
 import pytest
-from util import LiveServer, require_packages, tiny_server_target
+from util import LiveServer, concurrent_equals_solo, require_packages, tiny_server_target
 
 require_packages("openai")
 
@@ -142,20 +141,4 @@ def test_mixed_load_across_slots_gives_each_request_its_solo_answer(live):
     reqs += [dict(temperature=0.9, seed=3), dict(extra={"guided_regex": "[a-f]{5}"}, seed=4,
                                                  temperature=1.0)]
     mode = {"verify": "tree", "width": 6}
-    solo = [chat(live, mode, **dict(r)) for r in reqs]
-    got, errors = {}, []
-
-    def one(i, rep):
-        try:
-            got[(i, rep)] = chat(live, mode, **dict(reqs[i]))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=one, args=(i, rep)) for rep in range(3)
-               for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert not errors and len(got) == 3 * len(reqs)
-    for (i, _), out in got.items():
-        assert out == solo[i]
+    concurrent_equals_solo(lambda r: chat(live, mode, **dict(r)), reqs, TIMEOUT)

@@ -7,7 +7,7 @@ tokens, with a template of Qwen3.5's shape (written for this test)."""
 import json
 
 import pytest
-from util import LiveServer, require_packages
+from util import LiveServer, concurrent_equals_solo, require_packages
 
 require_packages("openai")
 
@@ -68,19 +68,26 @@ MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tools") / "target"
+def qwen_markup_server(tmp_path_factory, name: str, parallel: int) -> LiveServer:
+    """A live server of a tiny checkpoint with Qwen3.5's markup tokens and TEMPLATE, and an
+    openai client on it (srv.client); the caller closes it."""
+    root = tmp_path_factory.mktemp(name) / "target"
     make_tiny_checkpoint(root, seed=6, layers=2, special_tokens=QWEN_MARKUP)
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
     cfg = json.loads((root / "tokenizer_config.json").read_text())
     cfg["chat_template"] = TEMPLATE
     (root / "tokenizer_config.json").write_text(json.dumps(cfg))
-    st = server.build(str(root), parallel=2, max_context=2048, cache_mb=0, model_id="tiny",
-                      drafter="lookup")
+    st = server.build(str(root), parallel=parallel, max_context=2048, cache_mb=0,
+                      model_id="tiny", drafter="lookup")
     srv = LiveServer(st, TIMEOUT)
     srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0,
                                timeout=TIMEOUT)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    srv = qwen_markup_server(tmp_path_factory, "tools", parallel=2)
     yield srv
     srv.close()
 
@@ -217,7 +224,6 @@ def test_mixed_load_of_tool_constrained_and_plain_requests(live):
     """Tool calls, a JSON schema, a thinking budget and plain sampling at once on two slots,
     three rounds each (bounded: 15 requests, a 60 s timeout each): every answer is the one the
     same request got alone."""
-    import threading
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     reqs = [dict(tools=TOOLS, tool_choice="required", temperature=0.9, seed=11),
@@ -230,21 +236,5 @@ def test_mixed_load_of_tool_constrained_and_plain_requests(live):
             dict(temperature=0.8, seed=15, max_tokens=30, extra={"thinking_budget": 4,
                                                                  "chat_template_kwargs": {}})]
     mode = {"verify": "tree", "width": 6}
-    solo = [chat(live, mode, **dict(r)) for r in reqs]
-    got, errors = {}, []
-
-    def one(i, rep):
-        try:
-            got[(i, rep)] = chat(live, mode, **dict(reqs[i]))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=one, args=(i, rep)) for rep in range(3)
-               for i in range(len(reqs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(TIMEOUT)
-    assert not errors and len(got) == 3 * len(reqs)
-    for (i, _), out in got.items():
-        assert out == solo[i], i
+    solo = concurrent_equals_solo(lambda r: chat(live, mode, **dict(r)), reqs, TIMEOUT)
     assert solo[0][2] == solo[1][2] == "tool_calls"

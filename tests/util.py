@@ -130,3 +130,29 @@ class LiveServer:
     def close(self):
         self.http.close()
         self.running.close()
+
+
+def concurrent_equals_solo(call, reqs, timeout, reps=3) -> list:
+    """call(req) for each request alone, then each `reps` times at once from threads (a load
+    across the server's slots): every concurrent answer equals the request's solo answer.
+    Returns the solo answers."""
+    import threading
+
+    solo = [call(r) for r in reqs]
+    got, errors = {}, []
+
+    def one(i, rep):
+        try:
+            got[(i, rep)] = call(reqs[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=one, args=(i, rep)) for rep in range(reps)
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors and len(got) == reps * len(reqs), errors
+    for (i, _), out in got.items():
+        assert out == solo[i], i
+    return solo
