@@ -240,7 +240,7 @@ class Model:
                 claimed.append(draft_model)
             if hasattr(d, "prompt_cache_len"):  # a draft model caches its prompt state alike
                 d.prompt_cache_len = len(ids) if cache_prompt else 0
-            if fresh:
+            if fresh and cache_prompt:  # its prefill restores or appends: from empty
                 self.engine.reset()
                 reset_drafter(d)
             steps = session.run(ids, cfg, d, stops=stops, text=bool(stream or stops),

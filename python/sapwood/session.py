@@ -60,9 +60,11 @@ class Session:
         """The drafter `spec` names (Model.resolve_drafter), kept while requests name the same
         one: a draft model's committed state then follows the session's between requests."""
         if self.drafter is None or spec != self._drafter_spec:
+            # a new drafter has seen none of the held sequence (and a draft model loaded once
+            # per target may hold another request's state): the next prefill starts afresh
+            # and resets it
             self.drafter = self.model.resolve_drafter(spec)
-            reset_drafter(self.drafter)  # a draft model loaded once per target may hold another's state
-            self._drafter_spec = spec
+            self._drafter_spec, self.context = spec, []
         return self.drafter
 
     def prefill(self, ids: list, drafter=None):
