@@ -311,23 +311,27 @@ PYBIND11_MODULE(_core, m) {
            py::arg("w"), py::arg("format"))
       .def_static("affine", [](py::array_t<uint8_t, py::array::c_style> q, py::handle scales,
                                py::handle biases) {
-             // q [out, in] 4-bit values (0..15), scales / biases [out, in / 64]: the affine Q4
-             // groups a pre-quantized checkpoint stores (loading.py repacks MLX's into these)
+             // q [out, in] 4-bit values (0..15), scales / biases [out, in / 64] or [out, in /
+             // 32] (the group size follows): the affine Q4 groups a pre-quantized checkpoint
+             // stores (formats/ repack MLX's, GGUF's and GPTQ/AWQ's into these)
              SW_CHECK(q.ndim() == 2 && q.shape(1) % kQ4Group == 0, "q must be [out, in] with ",
                       kQ4Group, " | in, got ", shape_str(q));
-             const int rows = int(q.shape(0)), cols = int(q.shape(1)), groups = cols / kQ4Group;
-             F32 s = as_f32(scales, "scales", {rows, groups}), b = as_f32(biases, "biases", {rows, groups});
+             const int rows = int(q.shape(0)), cols = int(q.shape(1));
+             F32 s = as_f32(scales, "scales", {rows, -1});
+             const int groups = int(s.shape(1));
+             SW_CHECK(groups == cols / 32 || groups == cols / kQ4Group, "scales must be [", rows,
+                      ", ", cols / kQ4Group, "] or [", rows, ", ", cols / 32, "], got ", shape_str(s));
+             F32 b = as_f32(biases, "biases", {rows, groups});
+             auto m = std::make_unique<QMatrix>();
+             m->init_affine(rows, cols, cols / groups);
              std::vector<uint8_t> nib(size_t(rows) * cols / 2);
              for (int r = 0; r < rows; ++r)
                for (int k = 0; k < cols; ++k) {
                  const uint8_t v = q.at(r, k);
                  SW_CHECK(v < 16, "q[", r, ", ", k, "] = ", int(v), ": 4-bit values are 0..15");
-                 const int g = k / kQ4Group, j = k % kQ4Group;
-                 uint8_t& byte = nib[size_t(r) * cols / 2 + size_t(g) * kQ4Group / 2 + j % 32];
-                 byte = uint8_t(j < 32 ? (byte & 0xF0) | v : (byte & 0x0F) | (v << 4));
+                 uint8_t& byte = nib[m->q4_byte(r, k)];
+                 byte = uint8_t(m->q4_high(k) ? (byte & 0x0F) | (v << 4) : (byte & 0xF0) | v);
                }
-             auto m = std::make_unique<QMatrix>();
-             m->init_affine(rows, cols);
              m->set_affine_rows(0, rows, nib.data(), s.data(), b.data());
              return m;
            },

@@ -116,9 +116,13 @@ class PySource : public TensorSource {
       shapes_[py::str(item.first)] = item.second.cast<std::vector<int64_t>>();
     if (py::hasattr(obj, "chunk_bytes")) chunk_ = obj.attr("chunk_bytes").cast<size_t>();
     if (py::hasattr(obj, "q4_affine_names"))
-      for (auto n : obj.attr("q4_affine_names")) affine_.insert(py::str(n));
+      for (auto item : obj.attr("q4_affine_names").cast<py::dict>())  // name: group size
+        affine_[py::str(item.first)] = item.second.cast<int>();
   }
-  bool has_q4_affine(const std::string& name) const override { return affine_.count(name) > 0; }
+  int q4_affine_group(const std::string& name) const override {
+    auto it = affine_.find(name);
+    return it == affine_.end() ? 0 : it->second;
+  }
   void q4_affine_rows(const std::string& name, int64_t r0, int64_t r1, const uint8_t** nibbles,
                       const float** scales, const float** biases) override {
     py::gil_scoped_acquire gil;
@@ -131,7 +135,8 @@ class PySource : public TensorSource {
     auto sc = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(t[1]);
     auto bi = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(t[2]);
     SW_CHECK(nib && sc && bi && size_t(nib.size()) == n * cols / 2 &&
-                 size_t(sc.size()) == n * cols / 64 && size_t(bi.size()) == n * cols / 64,
+                 size_t(sc.size()) == n * cols / affine_.at(name) &&
+                 size_t(bi.size()) == n * cols / affine_.at(name),
              "weights source: read_q4_affine('", name, "', ", r0, ", ", r1, ") returned arrays "
              "of the wrong sizes");
     held_ = py::make_tuple(nib, sc, bi);
@@ -175,7 +180,7 @@ class PySource : public TensorSource {
  private:
   py::object obj_, held_;
   std::map<std::string, std::vector<int64_t>> shapes_;
-  std::set<std::string> affine_;
+  std::map<std::string, int> affine_;
   size_t chunk_ = size_t(32) << 20;
 };
 

@@ -147,12 +147,13 @@ void WeightLoader::stream(const std::string& name, int64_t rows, int64_t cols, B
 QMatrix WeightLoader::matrix(const std::string& name, int rows, int cols, WFormat f) {
   check_shape(name, {rows, cols});
   QMatrix m;
-  if ((f == WFormat::Q8 || f == WFormat::Q4) && src_.has_q4_affine(name)) {
+  const int group = src_.q4_affine_group(name);
+  if ((f == WFormat::Q8 || f == WFormat::Q4) && group) {
     // a quantized load keeps a pre-quantized 4-bit matrix as stored: quantizing its values
     // again would round them twice
     SW_CHECK(cols % kQ4Group == 0, name, ": affine 4-bit groups need ", kQ4Group,
              " | cols, got ", cols);
-    m.init_affine(rows, cols);
+    m.init_affine(rows, cols, group);
     stream_q4_affine(name, &m);
     return m;
   }
@@ -174,7 +175,7 @@ std::vector<float> WeightLoader::vector(const std::string& name, const std::vect
 }
 
 void WeightLoader::stream_q4_affine(const std::string& name, QMatrix* m) {
-  const int64_t rows = m->rows, groups = m->cols_pad / kQ4Group, row = m->cols_pad / 2;
+  const int64_t rows = m->rows, groups = m->groups(), row = m->cols_pad / 2;
   // chunks as many rows as a float chunk: the source unpacks a chunk's values on the way
   const int64_t per = std::max<int64_t>(1, int64_t(src_.chunk_bytes()) / (int64_t(m->cols) * 4));
   uint64_t sum = 0;
@@ -199,6 +200,7 @@ void WeightLoader::stream_q4_affine(const std::string& name, QMatrix* m) {
   WeightHasher h;
   h.bytes(name.data(), name.size());
   h.value(rows), h.value(int64_t(m->cols)), h.value(sum), h.value(uint64_t(0xaff1e));
+  if (m->group != kQ4Group) h.value(int64_t(m->group));
   hashes_[name] = h.h;
 }
 

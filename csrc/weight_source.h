@@ -56,11 +56,12 @@ class TensorSource {
   virtual const void* rows(const std::string& name, int64_t r0, int64_t r1, SrcDtype* dtype) = 0;
   // How much of a tensor the loader asks for at once.
   virtual size_t chunk_bytes() const { return size_t(32) << 20; }
-  // Matrices a pre-quantized checkpoint stores as affine 4-bit groups of 64 (MLX's,
-  // repacked): a quantized load keeps them as stored (QMatrix::affine). Rows [r0, r1) as
-  // nibbles [n][cols / 2] (Q4's byte order) and scales and biases [n][cols / 64], valid until
-  // the next call; rows() still serves their values as floats.
-  virtual bool has_q4_affine(const std::string&) const { return false; }
+  // Matrices a pre-quantized checkpoint stores as affine 4-bit groups (MLX's, GGUF's, GPTQ's,
+  // repacked): a quantized load keeps them as stored (QMatrix::affine). The group size (32
+  // or 64; 0: not stored so); rows [r0, r1) as nibbles [n][cols / 2] (Q4's byte order for
+  // that group size) and scales and biases [n][cols / group], valid until the next call;
+  // rows() still serves their values as floats.
+  virtual int q4_affine_group(const std::string&) const { return 0; }
   virtual void q4_affine_rows(const std::string& name, int64_t r0, int64_t r1,
                               const uint8_t** nibbles, const float** scales, const float** biases) {
     (void)name, (void)r0, (void)r1, (void)nibbles, (void)scales, (void)biases;

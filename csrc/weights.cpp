@@ -28,7 +28,7 @@ uint16_t f32_to_bf16(float x) {
 static int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 void QMatrix::init(int r, int c, WFormat f) {
-  fmt = f, rows = r, cols = c, cols_pad = 0;
+  fmt = f, rows = r, cols = c, cols_pad = 0, group = kQ4Group;
   f32.clear(), bf16.clear(), q8.clear(), q8_sum.clear(), q4.clear(), scale.clear(), bias.clear();
   // Storage is left unwritten (BigVector): set_row(s) write every byte of every row, padding
   // inputs included. Only the padding outputs of the last group of 16 are zeroed here: the
@@ -49,7 +49,7 @@ void QMatrix::init(int r, int c, WFormat f) {
   } else {
     cols_pad = round_up(c, kQ4Group);
     q4.resize(size_t(r) * cols_pad / 2);
-    scale.assign(size_t(r) * (cols_pad / kQ4Group), 0.0f);
+    scale.assign(size_t(r) * groups(), 0.0f);
   }
 }
 
@@ -116,14 +116,17 @@ void QMatrix::set_rows(int o0, int n, const float* w, size_t stride) {
     }
 }
 
-void QMatrix::init_affine(int r, int c) {
+void QMatrix::init_affine(int r, int c, int g) {
+  SW_CHECK(g == 32 || g == kQ4Group, "affine 4-bit groups of 32 or 64 inputs, got ", g);
   init(r, c, WFormat::Q4);
+  group = g;
+  scale.assign(size_t(r) * groups(), 0.0f);
   bias.assign(scale.size(), 0.0f);
 }
 
 void QMatrix::set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
                               const float* biases) {
-  const size_t row = size_t(cols_pad) / 2, groups = size_t(cols_pad / kQ4Group);
+  const size_t row = size_t(cols_pad) / 2, groups = size_t(this->groups());
   std::memcpy(&q4[size_t(o0) * row], nibbles, size_t(n) * row);
   std::memcpy(&scale[size_t(o0) * groups], scales, size_t(n) * groups * 4);
   std::memcpy(&bias[size_t(o0) * groups], biases, size_t(n) * groups * 4);
@@ -152,11 +155,10 @@ void QMatrix::dequant_row(int o, float* out) const {
       for (int k = 0; k < cols; ++k) out[k] = float(q8[q8_index(o, k)]) * scale[o];
       break;
     case WFormat::Q4: {
-      const int groups = cols_pad / kQ4Group;
       for (int k = 0; k < cols; ++k) {
         const uint8_t b = q4[q4_byte(o, k)];
-        const int n = (k % kQ4Group) < kQ4Group / 2 ? (b & 0xF) : (b >> 4);
-        const size_t g = size_t(o) * groups + k / kQ4Group;
+        const int n = q4_high(k) ? (b >> 4) : (b & 0xF);
+        const size_t g = size_t(o) * groups() + k / group;
         // affine: what formats.MlxAffine reads, scale * q + bias in float32 (no fma)
         out[k] = affine() ? float(n) * scale[g] + bias[g] : float(n - 8) * scale[g];
       }

@@ -13,7 +13,11 @@
 //          nibbles; byte j of a group holds input j (low nibble) and input j+32 (high), so
 //          a group unpacks into two contiguous runs of 32. [rows][cols64/2] + [rows][groups].
 //          Affine (a pre-quantized checkpoint's groups, MLX's, run as stored: `bias` not
-//          empty): the nibble is q in [0, 15] itself and the weight scale * q + bias.
+//          empty): the nibble is q in [0, 15] itself and the weight scale * q + bias. Affine
+//          groups of 32 (`group` 32: GGUF's Q4_0 / Q4_1 / Q4_K, MLX's groups of 32) keep the
+//          64-input runs of bytes; the run's first 16 bytes are its first group (byte j: input
+//          j low, j + 16 high), the next 16 its second, so each SIMD lane of 4 bytes stays in
+//          one group.
 // Q8 and Q4 multiply int8 activations, quantized per row (scale = amax/127), with exact int32
 // dot products; so a row's result never depends on the other rows in the batch.
 #pragma once
@@ -42,6 +46,7 @@ struct QMatrix {
   BigVector<uint8_t> q4;
   std::vector<float> scale;
   std::vector<float> bias;          // Q4 affine: per [rows][groups]; empty: symmetric Q4
+  int group = kQ4Group;             // Q4: inputs per scale (and bias): 64, or 32 (affine only)
 
   void quantize(const float* w, int rows, int cols, WFormat fmt);  // init, then set_rows
   // Streaming: init sizes the storage (zero padding), then set_row(o, w) stores row o of W
@@ -54,10 +59,11 @@ struct QMatrix {
   void set_rows(int o0, int n, const float* w, size_t stride);
   // Q4 affine, as stored: init_affine sizes it; set_affine_rows copies rows [o0, o0 + n) of
   // nibbles ([n][cols_pad / 2], the Q4 byte order), scales and biases ([n][groups]).
-  void init_affine(int rows, int cols);
+  void init_affine(int rows, int cols, int group = kQ4Group);
   void set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
                        const float* biases);
   bool affine() const { return !bias.empty(); }
+  int groups() const { return cols_pad / group; }  // Q4: scales (and biases) a row
   static constexpr int kQ8Group = 16, kQ8Quad = 4;
   static constexpr int kQ8QuadBytes = kQ8Group * kQ8Quad;  // 64: one quad of a group
   // Q8: where input k of output o sits (row padding to 16 outputs stays zero)
@@ -65,9 +71,12 @@ struct QMatrix {
     return size_t(o / kQ8Group) * kQ8Group * cols_pad + size_t(k / kQ8Quad) * kQ8QuadBytes +
            size_t(o % kQ8Group) * kQ8Quad + k % kQ8Quad;
   }
+  // Q4: the byte that holds input k of output o, and whether in its high nibble
   size_t q4_byte(int o, int k) const {
-    return (size_t(o) * cols_pad + (k / kQ4Group) * kQ4Group) / 2 + (k % kQ4Group) % (kQ4Group / 2);
+    const int j = k % kQ4Group, half = group / 2;  // half: the high nibble's input offset
+    return (size_t(o) * cols_pad + (k - j)) / 2 + (j / group) * half + j % half;
   }
+  bool q4_high(int k) const { return (k % group) >= group / 2; }
   size_t bytes() const;
   void dequant_row(int r, float* out) const;  // the weights as the matmul sees them
 };

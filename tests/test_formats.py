@@ -261,8 +261,8 @@ def test_mlx_lm_converter_and_forward(tmp_path):
 
 def test_a_requantizing_load_says_so(fp8_pair, tmp_path, capsys):
     make_tiny_checkpoint(tmp_path / "float", seed=6)
-    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq")
-    for d, what in ((tmp_path / "mlx", "MLX affine 4-bit, groups of 32"),
+    write_mlx(tmp_path / "float", tmp_path / "mlx", tmp_path / "deq", 8, 64)
+    for d, what in ((tmp_path / "mlx", "MLX affine 8-bit, groups of 64"),
                     (fp8_pair / "fp8", r"FP8 e4m3 in \[16, 24\] blocks")):
         with pytest.warns(UserWarning, match=r"\d+ " + what + r" tensors are rounded again for "
                                              r"weights='q8'"):
@@ -276,11 +276,11 @@ def test_a_requantizing_load_says_so(fp8_pair, tmp_path, capsys):
         sapwood.load(tmp_path / "float", quiet=True)
 
 
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [32, 64, 128])
 def test_mlx_4bit_runs_as_stored(tmp_path, group):
-    """MLX 4-bit groups of 64 (or 128: two of 64) run as stored in a quantized load: no
-    second rounding (no warning), the stored bytes plus a scale and bias per 64 inputs in
-    memory (<= 1.25x the file), every kernel variant the same bits, the same tokens in every
+    """MLX 4-bit groups of 32 or 64 (or 128: two of 64) run as stored in a quantized load: no
+    second rounding (no warning), the stored bytes plus a scale and bias per group in memory
+    (<= 1.25x the file), every kernel variant the same bits, the same tokens in every
     verify mode, and logits within the int8 activations' error of the exact float32 load:
     relative RMS 0.04-0.15 measured here, where a q8 load of the same values measures
     0.04-0.20 (random nets amplify the activations' rounding); a wrong nibble order, scale or
@@ -347,11 +347,11 @@ def test_the_memory_estimate_counts_stored_groups(tmp_path, weights):
 
 # weights="auto" (the default): the checkpoint decides (formats.auto_weights)
 @pytest.mark.parametrize("bits, group, overrides, want", [
-    (4, 64, {}, "q4"), (4, 128, {}, "q4"), (4, 32, {}, "q8"), (8, 64, {}, "q8"), (2, 64, {}, "q8"),
+    (4, 64, {}, "q4"), (4, 128, {}, "q4"), (4, 32, {}, "q4"), (8, 64, {}, "q8"), (2, 64, {}, "q8"),
     (4, 64, {"language_model.model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64}}, "q8"),
 ])
 def test_auto_keeps_what_runs_as_stored(tmp_path, bits, group, overrides, want):
-    """MLX 4-bit groups of 64/128 load as q4 (as stored, no warning); anything else in q8, and
+    """MLX 4-bit groups of 32/64/128 load as q4 (as stored, no warning); anything else in q8, and
     a load that rounds stored values again says so, naming the format and the mode."""
     import warnings
     # widths that groups of 128 divide: every matrix quantized, as the estimate assumes

@@ -146,12 +146,12 @@ def test_int4_reads_as_its_dequantized_values(src, tmp_path, method, group, desc
 
 @pytest.mark.parametrize("method, group, desc_act, v1", CASES)
 def test_int4_auto_and_what_it_says(src, tmp_path, method, group, desc_act, v1):
-    """weights='auto' loads GPTQ/AWQ in q8: groups of 64/128 in input order run as stored
+    """weights='auto' loads GPTQ/AWQ in q8: groups of 32/64/128 in input order run as stored
     (silent); other groupings round again in q8 and a warning names the format and the mode;
     q4 keeps the stored groups too, f32 is exact (silent). Tokens are the same in every verify
     mode."""
     write_int4(src, tmp_path / "q", tmp_path / "deq", method, group, desc_act=desc_act, v1=v1)
-    stored = group in (64, 128, -1) and not desc_act  # -1: one group a row (128 or 256 wide)
+    stored = group in (32, 64, 128, -1) and not desc_act  # -1: one group a row (128 or 256 wide)
     for weights in ("auto", "q4", "f32"):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -169,10 +169,10 @@ def test_int4_auto_and_what_it_says(src, tmp_path, method, group, desc_act, v1):
                for v, w in (("chain", None), ("tree", 8)))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_int4_as_stored_holds_the_stored_groups(src, tmp_path, method):
-    """A q8 (auto) or q4 load keeps the stored nibbles (affine groups of 64, bias = -(scale *
-    zero)): the same bits on every kernel variant, fewer bytes than the q8 load of the
+@pytest.mark.parametrize("method, group", [("gptq", 128), ("awq", 128), ("gptq", 32)])
+def test_int4_as_stored_holds_the_stored_groups(src, tmp_path, method, group):
+    """A q8 (auto) or q4 load keeps the stored nibbles (affine groups of 64, or of 32, bias =
+    -(scale * zero)): the same bits on every kernel variant, fewer bytes than the q8 load of the
     dequantized float file, logits within the int8 activations' error of the exact float32
     load: relative RMS 0.05 measured here in q8, as the q8 load of the dequantized file (0.05);
     <= 0.3 asserted, as for MLX's as-stored groups (random nets amplify the activations'
@@ -180,7 +180,7 @@ def test_int4_as_stored_holds_the_stored_groups(src, tmp_path, method):
     file keeps in float (embeddings, head, GDN projections) are rounded to symmetric 4-bit
     groups too: 0.52 here (0.57 for the q4 load of the dequantized file), printed only."""
     from util import ISAS, isa
-    write_int4(src, tmp_path / "q", tmp_path / "deq", method, 128)
+    write_int4(src, tmp_path / "q", tmp_path / "deq", method, group)
     exact = sapwood.load(tmp_path / "q", weights="f32", quiet=True).engine.prefill(IDS, True)
     for weights in ("q8", "q4"):
         outs = []
@@ -191,7 +191,7 @@ def test_int4_as_stored_holds_the_stored_groups(src, tmp_path, method):
         for z in outs[1:]:
             np.testing.assert_array_equal(z, outs[0])
         rel = np.linalg.norm(outs[0] - exact) / np.linalg.norm(exact)
-        print(f"{method} int4 g128 as stored, weights={weights} vs exact float32: relative RMS "
+        print(f"{method} int4 g{group} as stored, weights={weights} vs exact float32: relative RMS "
               f"{rel:.4f}")
         if weights == "q8":
             assert rel <= 0.3
@@ -205,8 +205,9 @@ def test_int4_as_stored_holds_the_stored_groups(src, tmp_path, method):
     nib, s, b, amax = info.q4_affine_rows(ck.weights._reader, 0, info.shape[0])
     lo, hi = (nib & 15).astype(np.float32), (nib >> 4).astype(np.float32)
     n, cols = info.shape
-    q = np.concatenate([lo.reshape(n, -1, 32), hi.reshape(n, -1, 32)], axis=2).reshape(n, cols)
-    w = q * np.repeat(s.reshape(n, -1), 64, 1) + np.repeat(b.reshape(n, -1), 64, 1)
+    h = 16 if group == 32 else 32  # the engine group's high-nibble offset (csrc/weights.h)
+    q = np.concatenate([lo.reshape(n, -1, h), hi.reshape(n, -1, h)], axis=2).reshape(n, cols)
+    w = q * np.repeat(s.reshape(n, -1), 2 * h, 1) + np.repeat(b.reshape(n, -1), 2 * h, 1)
     assert np.array_equal(w, ck.weights[name]) and amax == np.abs(w).max()
 
 

@@ -113,23 +113,25 @@ def test_bad_input():
         m.matmul(np.full((1, 8), np.nan, np.float32))
 
 
-def affine_matrix(out, cols, seed=4):
-    """Affine 4-bit groups of 64 (a pre-quantized checkpoint's, run as stored): values 0..15,
-    a scale and a bias per group, as MLX's quantizer makes them (bias = the group's min)."""
+def affine_matrix(out, cols, seed=4, group=64):
+    """Affine 4-bit groups of `group` inputs (a pre-quantized checkpoint's, run as stored):
+    values 0..15, a scale and a bias per group, as MLX's quantizer makes them (bias = the
+    group's min)."""
     rng = np.random.default_rng(seed)
     q = rng.integers(0, 16, size=(out, cols)).astype(np.uint8)
-    s = (rng.random((out, cols // 64)) * 0.2 + 0.01).astype(np.float32)
-    b = (rng.standard_normal((out, cols // 64)) * 0.5).astype(np.float32)
+    s = (rng.random((out, cols // group)) * 0.2 + 0.01).astype(np.float32)
+    b = (rng.standard_normal((out, cols // group)) * 0.5).astype(np.float32)
     return q, s, b
 
 
+@pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("shape", [(70, 128), (256, 64), (33, 320)])
-def test_affine_q4_matches_dequantized_oracle(shape):
+def test_affine_q4_matches_dequantized_oracle(shape, group):
     """The same oracle and tolerance as the other formats: the quantized activations times the
     stored weights, scale * q + bias, in float64."""
-    q, s, b = affine_matrix(*shape)
+    q, s, b = affine_matrix(*shape, group=group)
     m = _core.WeightMatrix.affine(q, s, b)
-    w = np.repeat(s, 64, 1) * q.astype(np.float32) + np.repeat(b, 64, 1)
+    w = np.repeat(s, group, 1) * q.astype(np.float32) + np.repeat(b, group, 1)
     np.testing.assert_array_equal(m.dequantized(), w)  # stored, not rounded again
     x = np.random.default_rng(5).standard_normal((9, shape[1])).astype(np.float32)
     want = quantize_rows(x).astype(np.float64) @ w.astype(np.float64).T
@@ -139,17 +141,31 @@ def test_affine_q4_matches_dequantized_oracle(shape):
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="only one kernel variant on this CPU")
+@pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("out,cols,rows", [(50, 192, 7), (64, 256, 16), (37, 64, 1), (6, 64, 2),
                                            (11, 128, 3), (150, 128, 1), (70, 192, 37),
                                            (130, 320, 17), (16, 128, 33), (48, 192, 8),
                                            (37, 320, 11), (130, 128, 12), (70, 64, 13)])
-def test_affine_q4_kernel_variants_bitwise(out, cols, rows):
-    q, s, b = affine_matrix(out, cols)
+def test_affine_q4_kernel_variants_bitwise(out, cols, rows, group):
+    q, s, b = affine_matrix(out, cols, group=group)
     x = np.random.default_rng(6).standard_normal((rows, cols)).astype(np.float32)
     m = _core.WeightMatrix.affine(q, s, b)
     matmul_on_every_isa(m, x)
     for n in (1, 3):  # batch invariant
         assert (m.matmul(x[:n]) == m.matmul(x)[:n]).all()
+
+
+def test_affine_q4_groups_of_32_are_their_own():
+    """Groups of 32 are not groups of 64 in disguise: a scale or bias changed in one group of
+    32 changes exactly the outputs of its row, on every kernel variant."""
+    q, s, b = affine_matrix(20, 128, group=32)
+    x = np.random.default_rng(7).standard_normal((3, 128)).astype(np.float32)
+    y0 = matmul_on_every_isa(_core.WeightMatrix.affine(q, s, b), x)
+    for g in range(4):
+        s2 = s.copy()
+        s2[5, g] *= 2
+        y = matmul_on_every_isa(_core.WeightMatrix.affine(q, s2, b), x)
+        assert (y[:, 5] != y0[:, 5]).all() and (np.delete(y, 5, 1) == np.delete(y0, 5, 1)).all()
 
 
 def test_affine_q4_bad_input():
@@ -160,3 +176,7 @@ def test_affine_q4_bad_input():
         _core.WeightMatrix.affine(q + 16, s, b)
     with pytest.raises(ValueError, match="scales"):
         _core.WeightMatrix.affine(q, s[:2], b)
+    with pytest.raises(ValueError, match=r"scales must be \[4, 1\] or \[4, 2\]"):
+        _core.WeightMatrix.affine(q, np.ones((4, 4), np.float32), b)
+    with pytest.raises(ValueError, match="biases"):
+        _core.WeightMatrix.affine(q, np.ones((4, 2), np.float32), b)

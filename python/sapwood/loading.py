@@ -135,11 +135,12 @@ class CheckpointTensors(Mapping):
     as_stored = True  # False: the engine gets every matrix's float rows (no q4a kernel)
 
     @property
-    def q4_affine_names(self) -> list:
-        """Matrices stored as affine 4-bit groups the engine runs as stored (formats/)."""
+    def q4_affine_names(self) -> dict:
+        """{name: group size}: the matrices stored as affine 4-bit groups the engine runs as
+        stored (formats/)."""
         if not self.as_stored:
-            return []
-        return [n for n, i in self.infos.items() if getattr(i, "q4_affine", False)]
+            return {}
+        return {n: i.q4_group for n, i in self.infos.items() if getattr(i, "q4_group", 0)}
 
     def read_q4_affine(self, name: str, r0: int, r1: int):
         info = self.infos[name]

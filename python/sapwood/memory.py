@@ -38,9 +38,10 @@ def matrix_bytes(rows: int, cols: int, fmt: str) -> int:
         return _up(rows, 16) * cols * 2
     if fmt == "q8":  # int8 rows in groups of 16, plus a scale and an int32 sum per row
         return _up(rows, 16) * _up(cols, 32) + rows * 8
-    if fmt in ("q4", "q4a"):  # two inputs a byte, an fp32 scale (q4a: and bias) per 64 inputs
-        cp = _up(cols, 64)
-        return rows * cp // 2 + rows * (cp // 64) * (4 if fmt == "q4" else 8)
+    if fmt in ("q4", "q4a", "q4a32"):  # two inputs a byte, an fp32 scale (q4a: and bias) per
+        cp = _up(cols, 64)                # 64 inputs (q4a32: per 32)
+        group = 32 if fmt == "q4a32" else 64
+        return rows * cp // 2 + rows * (cp // group) * (4 if fmt == "q4" else 8)
     raise ValueError(f"weights={fmt!r}: must be one of {', '.join(WEIGHT_MODES)}")
 
 
@@ -136,15 +137,15 @@ class MemoryEstimate:
 def estimate_config(cfg: ModelConfig, *, weights: str = "q8", kv: str = "int8",
                     max_context: int = 4096, mtp: bool = True,
                     stored: str | None = None) -> MemoryEstimate:
-    """stored: "q4a" when the checkpoint's matrices are affine 4-bit groups a quantized load
-    keeps as stored (formats.stored_matrices)."""
+    """stored: "q4a" ("q4a32") when the checkpoint's matrices are affine 4-bit groups of 64 (of
+    32) a quantized load keeps as stored (formats.stored_matrices)."""
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights={weights!r}: must be one of {', '.join(WEIGHT_MODES)}")
     if kv not in ("int8", "f32"):
         raise ValueError(f"kv={kv!r}: must be one of int8, f32")
     e = MemoryEstimate(weights, kv, max_context)
-    kept = stored == "q4a" and weights in ("q4", "q8")
-    e.parts["weights"] = weight_bytes(cfg, "q4a" if kept else weights)
+    kept = stored in ("q4a", "q4a32") and weights in ("q4", "q8")
+    e.parts["weights"] = weight_bytes(cfg, stored if kept else weights)
     e.parts["kv_cache"] = kv_bytes(cfg, kv, max_context)
     e.parts["gdn_states"] = gdn_state_bytes(cfg)
     e.parts["round_buffers"] = working_bytes(cfg)

@@ -3,8 +3,8 @@
 A format turns the stored tensors of a checkpoint (quantized values, their scales) into the
 logical float tensors the model reads, one chunk of rows at a time, so a load still holds the
 engine plus one chunk. The engine then stores them as asked (f32, bf16, q8, q4), except
-matrices it runs as stored: affine 4-bit groups of 64 (`q4_affine`, QMatrix's q4a), which a
-q8 or q4 load keeps byte for byte. Every format reads exactly: an f32 load holds the values
+matrices it runs as stored: affine 4-bit groups of 32 or 64 (`q4_group`, QMatrix's q4a), which
+a q8 or q4 load keeps byte for byte (common.pack_q4_affine lays them out). Every format reads exactly: an f32 load holds the values
 the file means (the submodules say to what precision each is "exact").
 
 - fp8.py: FP8 block quantization (Qwen's and DeepSeek's FP8 releases).
@@ -64,36 +64,36 @@ def describe(raw_config: dict) -> str | None:
 def requantized(infos: dict, weights: str, as_stored: bool = True) -> int:
     """How many stored quantized tensors a load in `weights` rounds a second time: none in f32
     (every format widens exactly to float32); in q4/q8 those no kernel runs as stored (affine
-    4-bit groups of 64 do: `q4_affine`, on the CPU backend: as_stored); in bf16 all of them."""
+    4-bit groups do: `q4_group`, on the CPU backend: as_stored); in bf16 all of them."""
     n = 0
     for info in infos.values():
         if getattr(info, "quantized", False):
-            kept = as_stored and info.q4_affine
+            kept = as_stored and info.q4_group > 0
             n += weights == "bf16" or (weights in ("q4", "q8") and not kept)
     return n
 
 
 def stored_matrices(raw_config: dict) -> str | None:
-    """"q4a" when a quantized load keeps the checkpoint's matrices as stored (MLX 4-bit groups
-    of 64 or 128; per-module settings other than those are rounded again: the memory estimate
-    counts the global setting), else None. GPTQ/AWQ files give None although their int4
+    """"q4a" ("q4a32") when a quantized load keeps the checkpoint's matrices as stored (MLX
+    4-bit groups of 64 or 128 (of 32); per-module settings other than those are rounded again:
+    the memory estimate counts the global setting), else None. GPTQ/AWQ files give None although their int4
     groups of 64/128 run as stored too: they keep the embeddings, the head and the GDN
     projections in float, so counting every matrix as the mode asked over-counts (a safe
     figure for the memory check) where counting them all as q4a would under-count."""
     q = raw_config.get("quantization")
     if isinstance(q, dict) and runs_as_stored(q.get("bits"), q.get("group_size")):
-        return "q4a"
+        return "q4a32" if q["group_size"] == 32 else "q4a"
     return None
 
 
 def auto_weights(raw_config: dict) -> str:
     """The engine mode `weights="auto"` loads a checkpoint in.
 
-    "q4" for an MLX checkpoint whose every quantized module is 4-bit in groups of 64 or 128
+    "q4" for an MLX checkpoint whose every quantized module is 4-bit in groups of 32, 64 or 128
     (all of its matrices run as stored, q4a; the q4 and q8 modes would hold the same bytes, and
     "q4" names what runs). "q8" for everything else: a float checkpoint (int8 per output row,
     the engine's finest quantized mode); FP8 and 8-bit files (their nearest mode); and any
-    file whose groups no kernel runs as stored (MLX 2-bit, groups of 32, mixed settings): their
+    file whose groups no kernel runs as stored (MLX 2-bit, mixed settings): their
     values are dequantized exactly and rounded once more, and int8 per row rounds them within
     1/254 of the row's largest |weight| where q4 would round 4-bit-grid values to another
     4-bit grid (errors of the order of the first rounding).

@@ -17,6 +17,30 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return _bf16_bits(x) if x.dtype == np.uint16 else x.astype(np.float32)
 
 
+def engine_q4_group(group: int) -> int:
+    """The engine's affine 4-bit group (QMatrix's q4a) that holds a format's groups of `group`
+    inputs as stored: 32 as is, a multiple of 64 as groups of 64 that repeat its scale and bias;
+    0 for any other size."""
+    return 32 if group == 32 else 64 if group > 0 and group % 64 == 0 else 0
+
+
+def pack_q4_affine(q: np.ndarray, s: np.ndarray, b: np.ndarray, group: int):
+    """Rows of 4-bit values q [n, cols] (0..15) with a scale s and bias b [n, cols / group] per
+    `group` inputs (weight = s * q + b), as the engine stores affine groups (csrc/weights.h):
+    nibbles (an engine group of G inputs: byte j holds input j low and j + G / 2 high), scales
+    and biases per engine group, and the largest |weight| (a group's extremes sit at its
+    smallest and largest q: the weight is linear in q)."""
+    n = q.shape[0]
+    eg = engine_q4_group(group)
+    per = group // eg
+    s, b = np.repeat(s, per, axis=1), np.repeat(b, per, axis=1)
+    g = q.astype(np.uint8).reshape(n, -1, eg)
+    nibbles = np.ascontiguousarray(g[:, :, :eg // 2] | (g[:, :, eg // 2:] << 4)).reshape(-1)
+    ends = [s * g.min(axis=2).astype(np.float32) + b, s * g.max(axis=2).astype(np.float32) + b]
+    amax = float(max(np.abs(e).max() for e in ends)) if g.size else 0.0
+    return nibbles, np.ascontiguousarray(s).reshape(-1), np.ascontiguousarray(b).reshape(-1), amax
+
+
 @dataclass(frozen=True)
 class Relaid:
     """A stored tensor read with another shape (same bytes, e.g. conv1d [C, K, 1] as [C, 1, K]),

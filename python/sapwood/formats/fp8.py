@@ -43,7 +43,7 @@ class BlockFp8:
 
     dtype = "F32"  # what it reads as
     quantized = True  # formats.requantized: rounded again in bf16, q8, q4
-    q4_affine = False
+    q4_group = 0  # no engine kernel runs FP8 blocks as stored
 
     @property
     def shape(self) -> tuple:

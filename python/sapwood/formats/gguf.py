@@ -18,12 +18,15 @@ Qwen3NextModel / _LinearAttentionVReorderBase / _QwenMtpMixin):
 
 Values: F32, F16 and BF16 tensors widen exactly. Block-quantized ones (Q8_0, Q4_0, Q4_K,
 Q5_K, Q6_K, ...) are dequantized once, a chunk of rows at a time, by gguf.quants.dequantize
-(llama.cpp's reference dequantization, in numpy) to float32, then stored as the mode asks.
-None of them runs as stored: QMatrix's int8 rows carry one scale per row where Q8_0 has one
-per 32 inputs, and its affine 4-bit groups are 64 wide where Q4_0 / Q4_1 / Q4_K (d * sc * q
-- dmin * m per sub-block) change scale every 32 inputs; an affine group-32 kernel would take
-Q4_0, Q4_1 and Q4_K as stored (Q4_K's 6-bit sub-block scales times its f16 d are exact in
-float32). A load in q8 or q4 thus rounds them a second time and says so; f32 keeps them.
+(llama.cpp's reference dequantization, in numpy) to float32 for an f32 or bf16 load.
+Q4_0, Q4_1 and Q4_K (AS_STORED) run as stored in q8 and q4 loads: the engine's affine groups
+of 32 (QMatrix q4a, weight = scale * q + bias) hold them without loss. Q4_0: scale d, bias -8d;
+Q4_1: d and m; Q4_K: per 32-input sub-block d * sc and -(dmin * m) (an f16 times a 6-bit
+integer: exact in float32), its nibbles moved from the block's order (a 64-input chunk's low
+nibbles are one sub-block, its high nibbles the next) to the engine's. scale * q + bias then
+rounds once where gguf-py's d * q - dm does, to the same float32. The other block types
+(Q8_0: a scale per 32 inputs where QMatrix's int8 rows have one per row; Q5_K, Q6_K, ...) are
+rounded a second time by a q8 or q4 load, which says so; f32 keeps them.
 
 The tokenizer stored in the file (tokenizer.ggml.model "gpt2": byte-level BPE, its tokens,
 merges and token types) is rebuilt as a tokenizers.Tokenizer with the pre-tokenizer
@@ -39,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ..safetensors_io import TensorInfo, TensorReader
-from .common import _bf16_bits
+from .common import _bf16_bits, pack_q4_affine
 
 MAGIC = b"GGUF"
 ARCH = "qwen35"
@@ -84,6 +87,9 @@ QWEN2_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}""
                r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
+AS_STORED = ("Q4_0", "Q4_1", "Q4_K")  # the block types a quantized load keeps as stored
+
+
 def is_gguf(path) -> bool:
     """A file that starts with GGUF's magic."""
     p = Path(path)
@@ -108,7 +114,39 @@ class GgufTensor:
     neg_exp: bool = False  # A_log stored as -exp(A_log)
 
     dtype = "F32"
-    q4_affine = False
+
+    @property
+    def q4_group(self) -> int:
+        """32 for the block types the engine's affine groups of 32 hold as stored (Q4_0, Q4_1,
+        Q4_K: AS_STORED), in a matrix whose rows are whole runs of 64; else 0."""
+        plain = not self.minus and not self.neg_exp
+        return 32 if self.qtype in AS_STORED and len(self.shape) == 2 and self.shape[1] % 64 == 0 and plain else 0
+
+    def q4_affine_rows(self, reader: TensorReader, r0: int, r1: int):
+        """Rows [r0, r1) of a Q4_0 / Q4_1 / Q4_K tensor as the engine's affine groups of 32
+        (common.pack_q4_affine): per 32 inputs a scale s and bias b with s * q + b equal to
+        gguf-py's dequantization bit for bit (see AS_STORED)."""
+        import gguf
+        n = r1 - r0
+        info = TensorInfo(self.path, "U8", (self.shape[0], self.row_bytes), self.offset, self.nbytes)
+        raw = reader.rows(info, r0, r1).reshape(n, self.row_bytes)
+        if self.qtype == "Q4_K":
+            blocks = raw.reshape(-1, 144)
+            d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+            dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+            s = d * sc.astype(np.float32)          # [blocks, 8]: exact (11 x 6 bits)
+            b = -(dmin * m.astype(np.float32))     # exact
+            qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        else:  # Q4_0 [d, qs[16]], Q4_1 [d, m, qs[16]]: byte j holds input j low, j + 16 high
+            size = 18 if self.qtype == "Q4_0" else 20
+            blocks = raw.reshape(-1, size)
+            s = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+            b = (-8 * s if self.qtype == "Q4_0"    # exact
+                 else blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
+            qs = blocks[:, size - 16:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(n, -1)
+        return pack_q4_affine(q, s.reshape(n, -1), b.reshape(n, -1), 32)
 
     @property
     def quantized(self) -> bool:

@@ -21,11 +21,11 @@ float32 product has at most 15 significant bits and is exact; the engine gets th
 file means, bit for bit. The tensors the quantizer left in float (embeddings, LM head, the GDN
 layers' projections, the MTP head: Qwen3.5 GPTQ/AWQ releases keep them bf16) are read as stored.
 
-As stored: groups of 64 or 128 in input order (no desc_act permutation) are the engine's affine
-4-bit groups (QMatrix q4a: scale * q + bias per 64 inputs) with bias = -(s * zero), exact in
-float32 for the same reason, and s * q + bias == s * (q - zero) exactly (the sum is
-representable). A q4 or q8 load then keeps the stored nibbles; other groupings (32, desc_act)
-are dequantized and rounded once more by the mode asked (a warning says so).
+As stored: groups of 32, 64 or 128 in input order (no desc_act permutation) are the engine's
+affine 4-bit groups (QMatrix q4a: scale * q + bias per 32 or 64 inputs) with bias = -(s *
+zero), exact in float32 for the same reason, and s * q + bias == s * (q - zero) exactly (the
+sum is representable). A q4 or q8 load then keeps the stored nibbles; desc_act files are
+dequantized and rounded once more by the mode asked (a warning says so).
 
 The packed tensors are stored [in, out]-like (transposed against the engine's rows): a chunk of
 output rows is a column slice of every packed row (_cols).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..safetensors_io import _DTYPES, TensorInfo, TensorReader
-from .common import _f32
+from .common import _f32, engine_q4_group, pack_q4_affine
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)       # nibble k of a packed AWQ int holds output ORDER[k]
 AWQ_UNDO = tuple(int(i) for i in np.argsort(AWQ_ORDER))  # output j sits in nibble UNDO[j]
@@ -95,9 +95,12 @@ class Int4Linear:
         return self.nbytes // self.shape[0]
 
     @property
-    def q4_affine(self) -> bool:
-        return (self.g_idx is None and self.group % 64 == 0 and self.shape[1] % 64 == 0
-                and self.scales.dtype in ("F16", "BF16"))
+    def q4_group(self) -> int:
+        """The engine's affine group that runs it as stored (formats.common); 0: none (a
+        desc_act permutation, a float32 scale, a width that is not a multiple of 64)."""
+        if self.g_idx is not None or self.shape[1] % 64 or self.scales.dtype not in ("F16", "BF16"):
+            return 0
+        return engine_q4_group(min(self.group, self.shape[1]))
 
     def _parts(self, reader: TensorReader, r0: int, r1: int):
         """(q [n, in] uint32, zero [n, G] int32, s [n, G] float32) of output rows [r0, r1)."""
@@ -129,19 +132,10 @@ class Int4Linear:
         return (s[:, g] * (q.astype(np.int32) - z[:, g]).astype(np.float32)).reshape(-1)
 
     def q4_affine_rows(self, reader: TensorReader, r0: int, r1: int):
-        """As formats.MlxAffine.q4_affine_rows: nibbles (input j of a 64-group low, j + 32
-        high in byte j), a scale and bias -(s * zero) per 64 inputs, the largest |weight|."""
+        """As formats.MlxAffine.q4_affine_rows, with bias -(s * zero) per group: exact, as zero
+        < 16 and s has at most 11 significant bits."""
         q, z, s = self._parts(reader, r0, r1)
-        n, cols = q.shape
-        per = min(self.group, cols) // 64
-        b = -(s * z.astype(np.float32))  # exact: zero < 16, s has at most 11 significant bits
-        s64, b64 = np.repeat(s, per, axis=1), np.repeat(b, per, axis=1)
-        g = q.astype(np.uint8).reshape(n, -1, 64)
-        nibbles = np.ascontiguousarray(g[:, :, :32] | (g[:, :, 32:] << 4)).reshape(-1)
-        ends = [s64 * g.min(axis=2).astype(np.float32) + b64,
-                s64 * g.max(axis=2).astype(np.float32) + b64]
-        amax = float(max(np.abs(e).max() for e in ends)) if g.size else 0.0
-        return nibbles, s64.reshape(-1), b64.reshape(-1), amax
+        return pack_q4_affine(q, s, -(s * z.astype(np.float32)), min(self.group, q.shape[1]))
 
 
 def int4_config(raw_config: dict) -> dict | None:

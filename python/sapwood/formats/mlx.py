@@ -3,8 +3,8 @@ config.json, per-module overrides by path): `X.weight` packs `bits`-bit values q
 into uint32, `X.scales` and `X.biases` hold one scale s and bias b per group of inputs, and the
 weight is s * q + b. Read here as that float32 expression (s, b widen exactly; s * q is exact;
 the sum rounds once), so the engine gets what MLX stores within half a float32 ulp; 4-bit
-groups of 64 or 128 run as stored in q4/q8 loads (q4_affine_rows). mlx-lm also renames (`language_model.`), moves
-the GDN conv1d's axes ([C, K, 1]) and stores the zero-centred RMSNorm weights plus one: undone
+groups of 32, 64 or 128 run as stored in q4/q8 loads (q4_affine_rows). mlx-lm also renames
+(`language_model.`), moves the GDN conv1d's axes ([C, K, 1]) and stores the zero-centred RMSNorm weights plus one: undone
 here (the reshape moves no byte; the minus one is exact for weights in [0.5, 2]). It drops the
 MTP head.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..safetensors_io import TensorInfo, TensorReader
-from .common import Relaid, _f32
+from .common import Relaid, _f32, engine_q4_group, pack_q4_affine
 
 
 MLX_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
@@ -49,8 +49,9 @@ class MlxAffine:
         return self.weight.row_bytes
 
     @property
-    def q4_affine(self) -> bool:
-        return runs_as_stored(self.bits, self.group)
+    def q4_group(self) -> int:
+        """The engine's affine group that runs it as stored (formats.common); 0: none."""
+        return engine_q4_group(self.group) if self.bits == 4 else 0
 
     def _groups(self, reader: TensorReader, r0: int, r1: int):
         """(q [n, cols] uint32, scales [n, cols / group], biases) as new arrays."""
@@ -68,23 +69,14 @@ class MlxAffine:
         return (s * q.astype(np.float32) + b).reshape(-1)
 
     def q4_affine_rows(self, reader: TensorReader, r0: int, r1: int):
-        """Rows [r0, r1) as the engine stores affine 4-bit groups of 64: nibbles with input j of
-        a group low and input j + 32 high in byte j, scales and biases per 64 inputs (a group
-        of 128 is two with its scale and bias); and the largest |weight| among them (a
-        group's extremes sit at its smallest and largest q: the weight is linear in q)."""
-        q, s, b = self._groups(reader, r0, r1)
-        g = q.astype(np.uint8).reshape(r1 - r0, -1, 64)
-        nibbles = g[:, :, :32] | (g[:, :, 32:] << 4)
-        per = self.group // 64
-        s, b = np.repeat(s, per, axis=1), np.repeat(b, per, axis=1)
-        ends = [s * g.min(axis=2).astype(np.float32) + b, s * g.max(axis=2).astype(np.float32) + b]
-        amax = float(max(np.abs(e).max() for e in ends)) if g.size else 0.0
-        return np.ascontiguousarray(nibbles).reshape(-1), s.reshape(-1), b.reshape(-1), amax
+        """Rows [r0, r1) as the engine stores affine 4-bit groups (common.pack_q4_affine): a
+        group of 128 is two of 64 with its scale and bias."""
+        return pack_q4_affine(*self._groups(reader, r0, r1), self.group)
 
 
 def runs_as_stored(bits, group) -> bool:
-    """Whether the engine runs MLX groups as stored (QMatrix's affine 4-bit groups of 64)."""
-    return bits == 4 and isinstance(group, int) and group % 64 == 0
+    """Whether the engine runs MLX groups as stored (QMatrix's affine 4-bit groups)."""
+    return bits == 4 and isinstance(group, int) and engine_q4_group(group) > 0
 
 
 def mlx_quantization(raw_config: dict) -> dict | None:
