@@ -85,7 +85,8 @@ def main() -> None:
 
 def llama_logits(a, f: Path, prompt: str, ck) -> None:
     """llama.cpp's last-position logits of `prompt` on file f (llama-debug --save-logits)
-    against sapwood's f32 load of the same file, on the same token ids."""
+    against sapwood's f32 load and its default load (weights="auto": Q4 blocks as stored,
+    int8 activations) of the same file, on the same token ids."""
     import sapwood
     out = a.out / "llama-logits"
     subprocess.run([str(a.llama_bin / "llama-debug"), "-m", str(f), "-p", prompt,
@@ -93,16 +94,18 @@ def llama_logits(a, f: Path, prompt: str, ck) -> None:
                    check=True, capture_output=True)
     want = np.fromfile(out / f"llamacpp-{f.stem}.bin", np.float32)
     ids = np.fromfile(out / f"llamacpp-{f.stem}-tokens.bin", np.int32).tolist()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        m = sapwood.load(f, weights="f32", kv="f32", quiet=True)
-    same_ids = m.encode(prompt) == ids
-    got = m.engine.prefill(ids, True)[-1]
-    print(f"  llama.cpp on the same file ({len(ids)} tokens; sapwood's tokenizer gives the same "
-          f"ids: {same_ids}): max |diff| / max |logit| "
-          f"{np.abs(got - want).max() / np.abs(want).max():.3g}, argmax {int(got.argmax())} / "
-          f"{int(want.argmax())}, top-10 overlap "
-          f"{len(set(np.argsort(-got)[:10]) & set(np.argsort(-want)[:10]))}/10")
+    for weights in ("f32", "auto"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = sapwood.load(f, weights=weights, kv="f32", quiet=True)
+        same_ids = m.encode(prompt) == ids
+        got = m.engine.prefill(ids, True)[-1]
+        print(f"  llama.cpp on the same file ({len(ids)} tokens; sapwood's tokenizer gives the "
+              f"same ids: {same_ids}), sapwood weights={m.weights if weights == 'auto' else 'f32'}"
+              f"{' (auto)' if weights == 'auto' else ''}: max |diff| / max |logit| "
+              f"{np.abs(got - want).max() / np.abs(want).max():.3g}, argmax {int(got.argmax())} / "
+              f"{int(want.argmax())}, top-10 overlap "
+              f"{len(set(np.argsort(-got)[:10]) & set(np.argsort(-want)[:10]))}/10")
 
 
 if __name__ == "__main__":
