@@ -454,6 +454,10 @@ def create_app(st: ServerState) -> FastAPI:
     async def _stream(call: _Call, endpoint: str, t0: float):
         started = set()
         try:
+            if call.chat:  # each choice opens with its role alone, as OpenAI's streams do
+                for index in range(len(call.jobs)):
+                    yield _sse(call.chunk(index, None, None, None, True))
+                    started.add(index)
             while call.pending:
                 kind, payload = await call.events.get()
                 call.take(kind, payload)
