@@ -186,7 +186,7 @@ def test_streamed_tool_call_arguments_come_a_parameter_at_a_time():
             "</tool_call>")
     content, entries, calls = _pieces(text, 1)
     a, b = calls[0]["id"], calls[1]["id"]
-    assert content == "Let me check.\n\n"
+    assert content == parse(text, TOOLS)[0] == "Let me check."  # white space before a call: not content
     assert entries == [
         {"index": 0, "id": a, "type": "function", "function": {"name": "get_weather",
                                                                "arguments": ""}},
@@ -200,6 +200,7 @@ def test_streamed_tool_call_arguments_come_a_parameter_at_a_time():
     assert [c["function"] for c in calls] == [c["function"] for c in parse(text, TOOLS)[1]]
     for step in (3, 7, 40, len(text)):  # bigger deltas: the same calls, fewer pieces
         content, entries, calls = _pieces(text, step)
+        assert content == "Let me check."
         joined = {}
         for e in entries:
             joined[e["index"]] = joined.get(e["index"], "") + e["function"]["arguments"]
@@ -212,6 +213,10 @@ def test_streamed_tool_call_arguments_come_a_parameter_at_a_time():
     assert [e["function"]["arguments"] for e in entries] == ["", '{"city": "New York"', "}"]
     assert [c["function"] for c in calls] == [c["function"] for c in parse(cut, TOOLS)[1]] == [
         {"name": "get_weather", "arguments": '{"city": "New York"}'}]
+    # no call: white space held for a call that may follow comes out at the end, all of it
+    for plain in ("a b \n\n", "x <tool_ca", "<tool_call>\nno function\n"):
+        for step in (1, 2, 5):
+            assert _pieces(plain, step)[::2] == (plain, [])
 
 
 def test_tool_results_go_back_through_the_template(live):

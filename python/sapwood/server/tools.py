@@ -198,14 +198,16 @@ def parse(text: str, tools: list | None) -> tuple[str, list]:
 
 
 class Stream:
-    """Streamed content with tools: text is released until a `<tool_call>` may begin; from
-    there it is held. Each call goes out as it is written, as OpenAI streams them: its id and
+    """Streamed content with tools: text is released until a `<tool_call>` may begin (white
+    space at its end waits for what follows: before a call it is not content); from there it
+    is held. Each call goes out as it is written, as OpenAI streams them: its id and
     name once `<function=NAME>` is complete (arguments ""), then its arguments JSON a
     parameter at a time, "}" when `</function>` closes it (take()). Joined, a call's pieces
     are parse()'s call of the whole output."""
 
     def __init__(self, tools):
         self.tools, self.held, self.buf, self.text = tools, False, "", ""
+        self.released = 0  # characters of text given out as content
         self.schemas = _schemas(tools)
         self.sent: list = []  # per call: [id, the arguments sent so far]
         self.pending: list = []  # delta.tool_calls entries not yet taken
@@ -219,12 +221,16 @@ class Stream:
         self.buf += text
         i = self.buf.find(TOOL_OPEN)
         if i >= 0:
-            out, self.buf, self.held = self.buf[:i], "", True
+            self.held = True
+            out = self.buf[:i].rstrip()  # the content ends before the call's white space
+            self.buf = ""
             self._progress(final=False)
-            return out
-        keep = next((k for k in range(min(len(TOOL_OPEN) - 1, len(self.buf)), 0, -1)
-                     if TOOL_OPEN.startswith(self.buf[-k:])), 0)
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        else:  # hold a possible `<tool_call>`'s start, and white space a call may follow
+            keep = next((k for k in range(min(len(TOOL_OPEN) - 1, len(self.buf)), 0, -1)
+                         if TOOL_OPEN.startswith(self.buf[-k:])), 0)
+            out = self.buf[:len(self.buf) - keep].rstrip()
+            self.buf = self.buf[len(out):]
+        self.released += len(out)
         return out
 
     def _progress(self, final: bool) -> None:
@@ -259,16 +265,9 @@ class Stream:
         last pieces are queued for take()."""
         content, calls = parse(self.text, self.tools)
         if not calls:
-            return self.buf if not self.held else self.text[len(self._released()):], []
+            return self.text[self.released:], []
         self._progress(final=True)
         for c, (cid, _) in zip(calls, self.sent):
             c["id"] = cid
         self.calls = calls
-        released = self._released()
-        return content[len(released):], calls
-
-    def _released(self) -> str:
-        i = self.text.find(TOOL_OPEN)
-        if i < 0:
-            return self.text[:len(self.text) - len(self.buf)]
-        return self.text[:i]
+        return content[self.released:], calls
