@@ -221,6 +221,34 @@ def test_chat_streaming_and_not(live, ref):
     assert chunks[-1].usage.completion_tokens == 20
 
 
+def test_chat_stream_opens_each_choice_with_its_role_alone(live, ref):
+    """OpenAI's chat streams (and vLLM's, llama.cpp's) open each choice with a delta holding
+    the role alone; the text follows in later chunks, none of which repeats the role
+    (llama.cpp's test_logprobs_stream checks this with the openai client)."""
+    msgs = [{"role": "user", "content": "def f(x):"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 6, "temperature": 0.8, "seed": 5,
+            "n": 2, "stream": True}
+    r = live.post("/v1/chat/completions", body)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n")
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    deltas = {0: [], 1: []}
+    for e in events:
+        for c in e["choices"]:
+            deltas[c["index"]].append((c["delta"], c["finish_reason"]))
+    for j in range(2):
+        assert deltas[j][0] == ({"role": "assistant"}, None)
+        assert [d for d, _ in deltas[j][1:] if "role" in d] == []
+        want = solo(ref, msgs, max_tokens=6, temperature=0.8, seed=5 + j).text
+        assert "".join(d.get("content", "") for d, _ in deltas[j]) == want
+        assert deltas[j][-1][1] == "length"
+    chunks = list(live.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                                      stream=True, logprobs=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content is None
+    assert [c for c in chunks[1:] if c.choices[0].delta.role is not None] == []
+
+
 def test_n_choices_reproducible_for_a_seed(live, ref):
     p = "def main():"
     kw = dict(model="tiny", prompt=p, max_tokens=16, temperature=1.0, n=2, seed=41)

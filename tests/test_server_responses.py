@@ -106,6 +106,37 @@ def test_streaming_events_join_to_the_result(live):
     assert "".join(reasoning) == whole.output[0].content[0].text
 
 
+def test_streamed_function_call_events_are_openais(live):
+    """A streamed function call is OpenAI's event sequence: the item added with arguments "",
+    its arguments as response.function_call_arguments.delta events, .done with them whole,
+    the item done; the SDK's stream helper joins them to the response's call."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = dict(model="tiny", input="Weather?", tools=tools, max_output_tokens=120,
+              tool_choice={"type": "function", "name": "get_weather"}, temperature=0.5,
+              parallel_tool_calls=False, extra_body={"seed": 1, **NO_THINK})
+    whole = live.client.responses.create(**kw)
+    want = [o for o in whole.output if o.type == "function_call"][0]
+    seen, deltas = [], []
+    for ev in live.client.responses.create(stream=True, **kw):
+        if ev.type == "response.output_item.added" and ev.item.type == "function_call":
+            seen.append(("added", ev.item.name, ev.item.arguments))
+        elif ev.type == "response.function_call_arguments.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "response.function_call_arguments.done":
+            seen.append(("done", ev.name, ev.arguments))
+        elif ev.type == "response.output_item.done" and ev.item.type == "function_call":
+            seen.append(("item", ev.item.name, ev.item.arguments))
+    assert seen == [("added", "get_weather", ""), ("done", "get_weather", want.arguments),
+                    ("item", "get_weather", want.arguments)]
+    assert "".join(deltas) == want.arguments
+    with live.client.responses.stream(**kw) as st:
+        for _ in st:
+            pass
+        final = st.get_final_response()
+    assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == [
+        ("get_weather", want.arguments)]
+
+
 @pytest.mark.parametrize("kw, param, text", [
     (dict(input="x", previous_response_id="resp_1"), "previous_response_id", "stores no"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens", ""),

@@ -153,10 +153,70 @@ def test_streamed_tool_calls_are_the_messages(live):
             model="tiny", messages=MSGS, max_tokens=120, stream=True, **kw,
             extra_body={"sapwood": MODES[3], **NO_THINK}):
         for c in ch.choices:
-            for t in c.delta.tool_calls or []:
-                got[t.index] = (t.function.name, json.loads(t.function.arguments))
+            for t in c.delta.tool_calls or []:  # as OpenAI's: id and name first, then pieces
+                if t.index not in got:
+                    assert t.id.startswith("call_") and t.type == "function", t
+                    got[t.index] = [t.function.name, ""]
+                else:
+                    assert (t.id, t.type, t.function.name) == (None, None, None), t
+                got[t.index][1] += t.function.arguments
             finish = c.finish_reason or finish
-    assert [got[i] for i in sorted(got)] == calls and finish == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in (got[i] for i in sorted(got))] == calls
+    assert finish == "tool_calls"
+
+
+def _pieces(text, step):
+    """What a Stream sends of text pushed `step` characters at a time: (the content, the
+    delta.tool_calls entries in order, the calls finish() gives)."""
+    s, out, entries = Stream(TOOLS), "", []
+    for i in range(0, len(text), step):
+        out += s.push(text[i:i + step])
+        entries += s.take()
+    rest, calls = s.finish()
+    return out + rest, entries + s.take(), calls
+
+
+def test_streamed_tool_call_arguments_come_a_parameter_at_a_time():
+    """Each call streams as OpenAI's (and vLLM's) do: its id and name (arguments "") once
+    `<function=NAME>` is written, then its arguments JSON a parameter at a time as each
+    `</parameter>` completes one, "}" at `</function>`; joined, the pieces are parse()'s."""
+    text = ("Let me check.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York"
+            "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=clock>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n"
+            "</tool_call>")
+    content, entries, calls = _pieces(text, 1)
+    a, b = calls[0]["id"], calls[1]["id"]
+    assert content == parse(text, TOOLS)[0] == "Let me check."  # white space before a call: not content
+    assert entries == [
+        {"index": 0, "id": a, "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": "New York"'}},
+        {"index": 0, "function": {"arguments": ', "days": 3'}},
+        {"index": 0, "function": {"arguments": "}"}},
+        {"index": 1, "id": b, "type": "function", "function": {"name": "clock",
+                                                               "arguments": ""}},
+        {"index": 1, "function": {"arguments": '{"zone": "UTC"'}},
+        {"index": 1, "function": {"arguments": "}"}}]
+    assert [c["function"] for c in calls] == [c["function"] for c in parse(text, TOOLS)[1]]
+    for step in (3, 7, 40, len(text)):  # bigger deltas: the same calls, fewer pieces
+        content, entries, calls = _pieces(text, step)
+        assert content == "Let me check."
+        joined = {}
+        for e in entries:
+            joined[e["index"]] = joined.get(e["index"], "") + e["function"]["arguments"]
+        assert [joined[0], joined[1]] == [c["function"]["arguments"] for c in calls]
+        assert [json.loads(x) for x in (joined[0], joined[1])] == [
+            {"city": "New York", "days": 3}, {"zone": "UTC"}]
+    # max_tokens cut the call: it keeps the parameters it completed, streamed or not
+    cut = text[:text.index("<parameter=days>") + 20]
+    content, entries, calls = _pieces(cut, 1)
+    assert [e["function"]["arguments"] for e in entries] == ["", '{"city": "New York"', "}"]
+    assert [c["function"] for c in calls] == [c["function"] for c in parse(cut, TOOLS)[1]] == [
+        {"name": "get_weather", "arguments": '{"city": "New York"}'}]
+    # no call: white space held for a call that may follow comes out at the end, all of it
+    for plain in ("a b \n\n", "x <tool_ca", "<tool_call>\nno function\n"):
+        for step in (1, 2, 5):
+            assert _pieces(plain, step)[::2] == (plain, [])
 
 
 def test_tool_results_go_back_through_the_template(live):

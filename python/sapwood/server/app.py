@@ -267,9 +267,15 @@ class _Call:
         return r or None, c or None
 
     def tool_calls_delta(self, index: int) -> list:
-        """The calls of a streamed choice that ended, as delta.tool_calls entries."""
+        """A streamed choice's tool-call pieces written since the last call, as delta.tool_calls
+        entries (tools.Stream: each call's id and name, then its arguments as they come)."""
         ts = self.tool_streams.get(index)
-        return [{"index": k, **c} for k, c in enumerate(getattr(ts, "calls", None) or [])]
+        return ts.take() if ts is not None else []
+
+    def called(self, index: int) -> bool:
+        """Whether a streamed choice that ended made tool calls."""
+        ts = self.tool_streams.get(index)
+        return bool(ts is not None and ts.calls)
 
     def chunk(self, index: int, text: str | None, lp, finish: str | None, first: bool,
               reasoning: str | None = None) -> dict:
@@ -454,6 +460,10 @@ def create_app(st: ServerState) -> FastAPI:
     async def _stream(call: _Call, endpoint: str, t0: float):
         started = set()
         try:
+            if call.chat:  # each choice opens with its role alone, as OpenAI's streams do
+                for index in range(len(call.jobs)):
+                    yield _sse(call.chunk(index, None, None, None, True))
+                    started.add(index)
             while call.pending:
                 kind, payload = await call.events.get()
                 call.take(kind, payload)
@@ -469,6 +479,12 @@ def create_app(st: ServerState) -> FastAPI:
                         yield _sse(call.chunk(d.index, text, lp, None, d.index not in started,
                                               reasoning))
                         started.add(d.index)
+                    calls = call.tool_calls_delta(d.index) if call.chat else []
+                    if calls:
+                        c = call.chunk(d.index, None, None, None, d.index not in started)
+                        c["choices"][0]["delta"]["tool_calls"] = calls
+                        yield _sse(c)
+                        started.add(d.index)
                 elif kind == "done":
                     r: ChoiceResult = payload
                     reasoning, text = call.split_delta(r.index, None, end=True)
@@ -483,6 +499,7 @@ def create_app(st: ServerState) -> FastAPI:
                         c["choices"][0]["delta"]["tool_calls"] = calls
                         yield _sse(c)
                         started.add(r.index)
+                    if call.chat and call.called(r.index):
                         finish = "tool_calls" if finish == "stop" else finish
                     yield _sse(call.chunk(r.index, None if call.chat else "", None,
                                           finish, r.index not in started))

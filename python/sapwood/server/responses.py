@@ -205,7 +205,8 @@ def sse(event: dict, seq: list) -> str:
 
 async def stream(call, ids: Ids, body: dict, created: float, api_error):
     """The Responses events of a streamed request: created, the reasoning and message items'
-    deltas as they come, function calls at the end, completed (or failed)."""
+    deltas as they come, function calls at the end (each added with arguments "", then its
+arguments in one delta), completed (or failed)."""
     seq = [0]
     yield sse({"type": "response.created",
                "response": response_object(call, ids, body, created)}, seq)
@@ -261,9 +262,12 @@ async def stream(call, ids: Ids, body: dict, created: float, api_error):
         output, status = output_items(call, ids, result)
         for index, item in enumerate(output):
             t = item["type"]
-            if t == "function_call":
+            if t == "function_call":  # as OpenAI's: added empty, the arguments as a delta
                 yield sse({"type": "response.output_item.added", "output_index": index,
-                           "item": item | {"status": "in_progress"}}, seq)
+                           "item": item | {"status": "in_progress", "arguments": ""}}, seq)
+                yield sse({"type": "response.function_call_arguments.delta",
+                           "item_id": item["id"], "output_index": index,
+                           "delta": item["arguments"]}, seq)
                 yield sse({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "arguments": item["arguments"],
                            "name": item["name"]}, seq)

@@ -26,9 +26,6 @@ import re
 import uuid
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\n?(.*?)</function>\s*(?:</tool_call>|$)",
-                   re.S)
-_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -87,67 +84,190 @@ def call_grammar(tools: list, names: list | None, parallel: bool, special: bool 
     return "\n".join([start] + rules)
 
 
-def _arguments(body: str, schema: dict) -> dict:
-    props = (schema or {}).get("properties") or {}
-    args = {}
-    for name, raw in _PARAM.findall(body):
-        if _is_string(props.get(name)) or (props.get(name) or {}).get("type") == "string":
-            args[name] = raw
+def _value(raw: str, schema):
+    """A parameter's value: a string parameter's raw text, else JSON (what the model wrote, as
+    text, when it is not JSON: vLLM's qwen3_coder parser does so)."""
+    if _is_string(schema) or (schema or {}).get("type") == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+_FUNC, _PARAM_OPEN, _PARAM_CLOSE, _FUNC_CLOSE = "<function=", "<parameter=", "</parameter>", "</function>"
+
+
+def _name_at(text: str, i: int):
+    """(the name of a `<tag=NAME>` whose NAME starts at i, the index after its `>`); None while
+    the text ends first; False when it is no such tag (a newline or nothing before `>`)."""
+    j = i
+    while j < len(text) and text[j] not in ">\n":
+        j += 1
+    if j == len(text):
+        return None
+    if text[j] == "\n" or j == i:
+        return False
+    return text[i:j], j + 1
+
+
+def _scan(text: str) -> list:
+    """The tool calls in an output (or in what came of it so far), each as [name, [(parameter,
+    raw value)...], ended]: a call is `<tool_call>`, `<function=NAME>`, then its complete
+    `<parameter=P>\nVALUE\n</parameter>` blocks (a value runs to the first `</parameter>`;
+    a parameter named twice keeps its first value) up to `</function>`. Calls come in the
+    order written; text around them is not theirs. A prefix of an output scans to a prefix of
+    its scan (a call's parameters so far), which lets a stream send each call's name and
+    arguments as they complete."""
+    calls, p = [], 0
+    while True:
+        i = text.find(TOOL_OPEN, p)
+        if i < 0:
+            return calls
+        j = i + len(TOOL_OPEN)
+        while j < len(text) and text[j].isspace():
+            j += 1
+        if len(text) - j < len(_FUNC) and _FUNC.startswith(text[j:]):
+            return calls  # the header may still come
+        if not text.startswith(_FUNC, j):
+            p = i + 1
             continue
-        try:
-            args[name] = json.loads(raw)
-        except ValueError:  # what the model wrote, as text (vLLM's qwen3_coder parser does so)
-            args[name] = raw
-    return args
+        got = _name_at(text, j + len(_FUNC))
+        if got is None:
+            return calls
+        if got is False or not got[0].strip():
+            p = i + 1
+            continue
+        name, p = got[0].strip(), got[1]
+        call = [name, [], False]
+        calls.append(call)
+        while True:
+            a, b = text.find(_PARAM_OPEN, p), text.find(_FUNC_CLOSE, p)
+            if b >= 0 and (a < 0 or b < a):
+                call[2], p = True, b + len(_FUNC_CLOSE)
+                break
+            if a < 0:
+                return calls  # cut here: the end of the text may still close it
+            got = _name_at(text, a + len(_PARAM_OPEN))
+            if got is None:
+                return calls
+            if got is False:
+                p = a + 1
+                continue
+            pname, k = got
+            e = text.find(_PARAM_CLOSE, k)
+            if e < 0:
+                return calls
+            raw = text[k:e]
+            raw = raw[1:] if raw.startswith("\n") else raw
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            if pname not in (q for q, _ in call[1]):
+                call[1].append((pname, raw))
+            p = e + len(_PARAM_CLOSE)
+
+
+def _fragments(params: list, schema: dict) -> list:
+    """A call's arguments JSON in pieces, one a parameter: '{"a": 1', ', "b": "x"'; joined with
+    the closing "}" they are json.dumps of the arguments object."""
+    props = (schema or {}).get("properties") or {}
+    return [("{" if n == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
+            + json.dumps(_value(raw, props.get(name)), ensure_ascii=False)
+            for n, (name, raw) in enumerate(params)]
+
+
+def _schemas(tools: list) -> dict:
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 def parse(text: str, tools: list | None) -> tuple[str, list]:
-    """(content before the first call, tool_calls as the API returns them) of an output."""
+    """(content before the first call, tool_calls as the API returns them) of an output. A
+    call the end of the output cut (max_tokens) keeps the parameters it completed."""
     if not tools or TOOL_OPEN not in text:
         return text, []
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
-    calls = []
-    for name, body in _CALL.findall(text):
-        name = name.strip()
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(
-                          _arguments(body, schemas.get(name, {})), ensure_ascii=False)}})
+    schemas = _schemas(tools)
+    calls = [{"id": _call_id(), "type": "function", "function": {
+        "name": name, "arguments": "".join(_fragments(params, schemas.get(name, {})) or ["{"]) + "}"}}
+        for name, params, _ in _scan(text)]
     if not calls:
         return text, []
     return text[:text.index(TOOL_OPEN)].rstrip(), calls
 
 
 class Stream:
-    """Streamed content with tools: text is released until a `<tool_call>` may begin; from
-    there it is held, and the calls come out at the end (finish)."""
+    """Streamed content with tools: text is released until a `<tool_call>` may begin (white
+    space at its end waits for what follows: before a call it is not content); from there it
+    is held. Each call goes out as it is written, as OpenAI streams them: its id and
+    name once `<function=NAME>` is complete (arguments ""), then its arguments JSON a
+    parameter at a time, "}" when `</function>` closes it (take()). Joined, a call's pieces
+    are parse()'s call of the whole output."""
 
     def __init__(self, tools):
         self.tools, self.held, self.buf, self.text = tools, False, "", ""
+        self.released = 0  # characters of text given out as content
+        self.schemas = _schemas(tools)
+        self.sent: list = []  # per call: [id, the arguments sent so far]
+        self.pending: list = []  # delta.tool_calls entries not yet taken
+        self.calls: list = []  # finish(): the calls as parse() gives them
 
     def push(self, text: str) -> str:
         self.text += text
         if self.held:
+            self._progress(final=False)
             return ""
         self.buf += text
         i = self.buf.find(TOOL_OPEN)
         if i >= 0:
-            out, self.buf, self.held = self.buf[:i], "", True
-            return out
-        keep = next((k for k in range(min(len(TOOL_OPEN) - 1, len(self.buf)), 0, -1)
-                     if TOOL_OPEN.startswith(self.buf[-k:])), 0)
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            self.held = True
+            out = self.buf[:i].rstrip()  # the content ends before the call's white space
+            self.buf = ""
+            self._progress(final=False)
+        else:  # hold a possible `<tool_call>`'s start, and white space a call may follow
+            keep = next((k for k in range(min(len(TOOL_OPEN) - 1, len(self.buf)), 0, -1)
+                         if TOOL_OPEN.startswith(self.buf[-k:])), 0)
+            out = self.buf[:len(self.buf) - keep].rstrip()
+            self.buf = self.buf[len(out):]
+        self.released += len(out)
+        return out
+
+    def _progress(self, final: bool) -> None:
+        """Queue what the calls written so far add to what was sent."""
+        for k, (name, params, ended) in enumerate(_scan(self.text)):
+            frags = _fragments(params, self.schemas.get(name, {}))
+            args = "".join(frags) + ("" if not (ended or final) else "}" if frags else "{}")
+            if k == len(self.sent):
+                self.sent.append([_call_id(), ""])
+                self.pending.append({"index": k, "id": self.sent[k][0], "type": "function",
+                                     "function": {"name": name, "arguments": ""}})
+            done = self.sent[k][1]
+            if len(args) > len(done):  # args extends what was sent: _scan is prefix-stable
+                self.pending.append({"index": k, "function": {"arguments": args[len(done):]}})
+                self.sent[k][1] = args
+
+    def take(self) -> list:
+        """The delta.tool_calls entries queued since the last take."""
+        out, by_index = [], {}
+        for e in self.pending:  # one entry a call: its header and arguments pieces joined
+            k = e["index"]
+            if k in by_index:
+                by_index[k]["function"]["arguments"] += e["function"]["arguments"]
+            else:
+                by_index[k] = {**e, "function": dict(e["function"])}
+                out.append(by_index[k])
+        self.pending = []
         return out
 
     def finish(self) -> tuple[str, list]:
-        """(the content still held, the calls): as parse() splits the whole text."""
+        """(the content still held, the calls): as parse() splits the whole text; the calls'
+        last pieces are queued for take()."""
         content, calls = parse(self.text, self.tools)
         if not calls:
-            return self.buf if not self.held else self.text[len(self._released()):], []
-        released = self._released()
-        return content[len(released):], calls
-
-    def _released(self) -> str:
-        i = self.text.find(TOOL_OPEN)
-        if i < 0:
-            return self.text[:len(self.text) - len(self.buf)]
-        return self.text[:i]
+            return self.text[self.released:], []
+        self._progress(final=True)
+        for c, (cid, _) in zip(calls, self.sent):
+            c["id"] = cid
+        self.calls = calls
+        return content[self.released:], calls
