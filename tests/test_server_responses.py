@@ -138,7 +138,8 @@ def test_streamed_function_call_events_are_openais(live):
 
 
 @pytest.mark.parametrize("kw, param, text", [
-    (dict(input="x", previous_response_id="resp_1"), "previous_response_id", "stores no"),
+    (dict(input="x", previous_response_id="resp_1"), "previous_response_id", "not found"),
+    (dict(input="x", conversation="conv_1"), "conversation", "keeps no"),
     (dict(input="x", max_output_tokens=0), "max_output_tokens", ""),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input.0.content", "input_image"),
@@ -152,6 +153,34 @@ def test_bad_requests_name_the_responses_field(live, kw, param, text):
     with pytest.raises(openai.BadRequestError) as e:
         live.client.responses.create(model="tiny", **kw)
     assert e.value.body["param"] == param and text in e.value.body["message"], e.value.body
+
+
+def test_previous_response_id_continues_the_conversation(live):
+    """A follow-up by previous_response_id is the request that sends the whole conversation as
+    input items (the same greedy answer); GET /v1/responses/{id} returns the stored response;
+    store=False keeps nothing."""
+    kw = dict(model="tiny", max_output_tokens=12, temperature=0.0, extra_body=NO_THINK)
+    first = live.client.responses.create(input="Hello there", **kw)
+    follow = live.client.responses.create(input="And then?", previous_response_id=first.id, **kw)
+    full = live.client.responses.create(input=[
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+        {"role": "user", "content": "And then?"}], **kw)
+    assert follow.output_text == full.output_text and follow.previous_response_id == first.id
+    assert follow.usage.input_tokens == full.usage.input_tokens > first.usage.input_tokens
+    got = live.client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.store
+    # streamed responses are stored too
+    ends = [ev.response for ev in live.client.responses.create(input="Hello there", stream=True, **kw)
+            if ev.type in ("response.completed", "response.incomplete")]
+    again = live.client.responses.create(input="And then?", previous_response_id=ends[0].id, **kw)
+    assert again.output_text == follow.output_text
+    kept_not = live.client.responses.create(input="Hello there", store=False, **kw)
+    assert not kept_not.store
+    with pytest.raises(openai.NotFoundError):
+        live.client.responses.retrieve(kept_not.id)
+    with pytest.raises(openai.BadRequestError):
+        live.client.responses.create(input="x", previous_response_id=kept_not.id, **kw)
 
 
 def test_unknown_fields_are_refused(live):

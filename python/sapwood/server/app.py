@@ -373,13 +373,16 @@ def create_app(st: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, chat=True)
 
+    stored = responses.Store()
+
     @app.post("/v1/responses")
     async def responses_(request: Request):
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
             body = parse_body(await read_body(request, st.max_body_bytes))
-            chat = json.dumps(responses.to_chat(body)).encode()
+            items = responses.conversation(body, stored)
+            chat = json.dumps(responses.to_chat(body, items)).encode()
             try:
                 adm = await loop.run_in_executor(st.executor, prepare, st, chat, True)
             except ApiError as e:
@@ -390,7 +393,8 @@ def create_app(st: ServerState) -> FastAPI:
             return e.response()
         ids, created = responses.Ids(), time.time()
         if call.req.stream:
-            return StreamingResponse(responses.stream(call, ids, body, created, api_error),
+            return StreamingResponse(responses.stream(call, ids, body, created, api_error,
+                                                      stored, items),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         err = await _wait(call, request, "responses")
@@ -399,7 +403,18 @@ def create_app(st: ServerState) -> FastAPI:
         m.requests.labels("responses", "200").inc()
         m.latency.labels("responses").observe(time.perf_counter() - t0)
         output, status = responses.output_items(call, ids, call.results[0])
-        return JSONResponse(responses.response_object(call, ids, body, created, output, status))
+        obj = responses.response_object(call, ids, body, created, output, status)
+        stored.put(obj, body, items)
+        return JSONResponse(obj)
+
+    @app.get("/v1/responses/{rid}")
+    async def response_by_id(rid: str):
+        got = stored.get(rid)
+        if got is None:
+            return ApiError(404, f"response {rid!r} not found (this server keeps the newest "
+                            f"{stored.limit} responses, in memory)", "response_id",
+                            code="not_found").response()
+        return JSONResponse(got[0])
 
     def _submit(call: _Call) -> _Call:
         try:

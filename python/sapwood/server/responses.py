@@ -4,13 +4,15 @@ reasoning and function calls out; streaming as Responses events.
 
 A request is translated into the chat request it means (to_chat) and runs as one: the same
 admission checks, template, constraints (text.format, tool_choice) and slots, so its tokens are
-a chat's, identical in every verify mode. Nothing is stored: previous_response_id is refused
-(send the conversation as input items).
+a chat's, identical in every verify mode. Finished responses are kept (Store: in memory, the
+newest STORED of them, unless the request says store: false) so that previous_response_id can
+continue a conversation and GET /v1/responses/{id} can fetch one, as OpenAI's API does.
 """
 from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 
 from .protocol import ApiError
 
@@ -23,6 +25,44 @@ _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "store", "service_tier", "safety_identifier", "prompt_cache_key")
 _IGNORED = ("reasoning", "include", "background", "max_tool_calls", "truncation",
             "stream_options", "prompt_cache_retention")
+
+
+STORED = 1024  # finished responses kept for previous_response_id (the oldest go first)
+
+
+class Store:
+    """The newest `limit` finished responses: their objects and the conversation each ends
+    (its input items, the previous responses' included, then its output items)."""
+
+    def __init__(self, limit: int = STORED):
+        self.limit = limit
+        self._items: OrderedDict = OrderedDict()  # id -> (response object, conversation items)
+
+    def put(self, obj: dict, body: dict, conversation: list) -> None:
+        if body.get("store") is False:
+            return
+        self._items[obj["id"]] = (obj, conversation + obj["output"])
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str):
+        """(response object, its conversation), or None."""
+        return self._items.get(rid)
+
+
+def conversation(body: dict, store: Store) -> list:
+    """The input items a request means: the previous response's conversation (without its
+    instructions, as OpenAI's API does) followed by this request's input."""
+    items = body.get("input")
+    items = [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return items
+    if not isinstance(prev, str) or store.get(prev) is None:
+        raise ApiError(400, f"previous_response_id: previous response with id {prev!r} not found "
+                       f"(this server keeps the newest {store.limit} responses, in memory)",
+                       "previous_response_id", code="previous_response_not_found")
+    return store.get(prev)[1] + (items if isinstance(items, list) else [])
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -44,15 +84,12 @@ def _text(content, where: str) -> str:
     return "".join(out)
 
 
-def _messages(body: dict) -> list:
+def _messages(body: dict, items) -> list:
     msgs = []
     if body.get("instructions") is not None:
         if not isinstance(body["instructions"], str):
             raise _bad("must be a string", "instructions")
         msgs.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
-    if isinstance(items, str):
-        return msgs + [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise _bad("must be a string or a non-empty list of items", "input")
     for i, it in enumerate(items):
@@ -95,8 +132,9 @@ def _tools(tools) -> list:
     return out
 
 
-def to_chat(body: dict) -> dict:
-    """The chat completions body a Responses body means; ApiError naming Responses fields."""
+def to_chat(body: dict, items: list) -> dict:
+    """The chat completions body a Responses body means, its input `items` (conversation());
+    ApiError naming Responses fields."""
     known = set(_PASSED) | set(_IGNORED) | {"input", "instructions", "max_output_tokens",
                                             "tools", "tool_choice", "text",
                                             "previous_response_id", "conversation", "prompt"}
@@ -104,12 +142,12 @@ def to_chat(body: dict) -> dict:
         if k not in known:
             raise ApiError(400, f"unrecognized request argument supplied: {k}", k,
                            code="unknown_field")
-    for k in ("previous_response_id", "conversation", "prompt"):
+    for k in ("conversation", "prompt"):
         if body.get(k) is not None:
-            raise _bad("not supported: this server stores no responses or prompts (send the "
-                       "conversation as input items)", k)
+            raise _bad("not supported: this server keeps no conversations or prompts (send "
+                       "input items, or previous_response_id)", k)
     chat = {k: body[k] for k in _PASSED if body.get(k) is not None}
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, items)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -194,7 +232,9 @@ def response_object(call, ids: Ids, body: dict, created: float, output=None,
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-        "usage": usage, "store": False, "sapwood": call.extension() if call.results else None}
+        "usage": usage, "store": body.get("store") is not False,
+        "previous_response_id": body.get("previous_response_id"),
+        "sapwood": call.extension() if call.results else None}
 
 
 def sse(event: dict, seq: list) -> str:
@@ -203,7 +243,8 @@ def sse(event: dict, seq: list) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-async def stream(call, ids: Ids, body: dict, created: float, api_error):
+async def stream(call, ids: Ids, body: dict, created: float, api_error, store: Store,
+                 items: list):
     """The Responses events of a streamed request: created, the reasoning and message items'
     deltas as they come, function calls at the end (each added with arguments "", then its
 arguments in one delta), completed (or failed)."""
@@ -282,6 +323,7 @@ arguments in one delta), completed (or failed)."""
             yield sse({"type": "response.output_item.done", "output_index": index,
                        "item": item}, seq)
         done = response_object(call, ids, body, created, output, status)
+        store.put(done, body, items)
         yield sse({"type": "response.completed" if status == "completed"
                    else "response.incomplete", "response": done}, seq)
     finally:
