@@ -92,3 +92,22 @@ def test_server_chat_template_option_errors_name_the_value(target, tmp_path, cap
     (tmp_path / "bad").write_text("{% for m in messages %}")
     assert main(["serve", str(target), "--port", "1", "--chat-template", spec]) == 1
     assert shows in capsys.readouterr().err
+
+
+def test_templates_see_the_tokenizers_special_tokens(tmp_path):
+    """As transformers does, a template gets tokenizer_config.json's bos_token / eos_token
+    (a string or an {"content": ...} entry) as variables; a template keyword overrides them."""
+    import json
+
+    from sapwood.testing import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path / "m", seed=3)
+    tc = tmp_path / "m" / "tokenizer_config.json"
+    cfg = json.loads(tc.read_text()) if tc.is_file() else {}
+    cfg.update(bos_token="<|endoftext|>", eos_token={"content": "<|im_end|>", "lstrip": False},
+               chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}"
+                             "{% endfor %}")
+    tc.write_text(json.dumps(cfg))
+    m = sapwood.load(tmp_path / "m", quiet=True)
+    assert m.special_tokens["bos_token"] == "<|endoftext|>" and m.special_tokens["eos_token"] == "<|im_end|>"
+    assert m.apply_chat_template(MSGS) == "<|endoftext|>hi<|im_end|>"
+    assert m.apply_chat_template(MSGS, bos_token="") == "hi<|im_end|>"

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +247,24 @@ def _read_json(p: Path, what: str) -> dict:
     return d
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _special_tokens(d: Path) -> dict:
+    """The special tokens transformers hands a chat template as variables: tokenizer_config.json's
+    bos_token, eos_token, pad_token, unk_token (a string or an {"content": ...} entry)."""
+    if not (d / "tokenizer_config.json").is_file():
+        return {}
+    cfg = _read_json(d / "tokenizer_config.json", "tokenizer_config.json")
+    out = {}
+    for k in SPECIAL_TOKENS:
+        v = cfg.get(k)
+        v = v.get("content") if isinstance(v, dict) else v
+        if isinstance(v, str):
+            out[k] = v
+    return out
+
+
 def _chat_template(d: Path) -> str | None:
     """HF keeps the template in chat_template.jinja (newer) or tokenizer_config.json (older);
     the .jinja file wins, as in transformers. A list of named templates -> the "default" one."""
@@ -275,6 +293,7 @@ class Checkpoint:
     stored_format: str | None = None  # formats.describe: a pre-quantized checkpoint's format
     stored_matrices: str | None = None  # formats.stored_matrices
     auto_weights: str = "q8"  # formats.auto_weights: the mode weights="auto" loads in
+    special_tokens: dict = field(default_factory=dict)  # bos_token, eos_token, ... (templates)
 
 
 def read_config(d: Path) -> ModelConfig:
@@ -339,7 +358,7 @@ def read_checkpoint(path) -> Checkpoint:
             raise ValueError(f"{tf}: cannot be loaded: {tokenizing.describe(e)}") from None
         _check_tokenizer(tokenizer, cfg, tf)
     return Checkpoint(d, cfg, weights, tokenizer, gen, _chat_template(d), mtp, describe(raw_config),
-                      stored_matrices(raw_config), auto_weights(raw_config))
+                      stored_matrices(raw_config), auto_weights(raw_config), _special_tokens(d))
 
 
 def _check_tokenizer(tokenizer, cfg: ModelConfig, where) -> None:
@@ -381,8 +400,11 @@ def read_gguf_checkpoint(path) -> Checkpoint:
     if g.tokenizer is not None:
         _check_tokenizer(g.tokenizer, cfg, f"{p} (its tokenizer)")
     gen = {} if g.eos is None else {"eos_token_id": g.eos}
+    specials = {}  # the file names token ids; their text is what a template writes
+    if g.tokenizer is not None and g.eos is not None and g.tokenizer.id_to_token(g.eos) is not None:
+        specials["eos_token"] = g.tokenizer.id_to_token(g.eos)
     return Checkpoint(p, cfg, weights, g.tokenizer, gen, g.chat_template, mtp, g.stored_format,
-                      None, "q8")
+                      None, "q8", specials)
 
 
 DEFAULT_DIR = Path(__file__).parent / "data" / "default"
@@ -486,6 +508,7 @@ def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto"
             ck.weights.close()
     model = Model(engine, ck.tokenizer, ck.config, ck.generation_config, ck.chat_template, ck.path,
                   weights=weights, kv=kv, backend=backend, max_context=max_context)
+    model.special_tokens = dict(ck.special_tokens)
     model.policy_cache = bool(policy_cache)
     if ck.mtp_weights is not None and ck.config.mtp_layers == 1:
         # built on first use (Model.mtp), from the files: a load reads only what it runs

@@ -31,6 +31,7 @@ class Model:
         self.chat_template = chat_template
         self.path = None if path is None else Path(path)
         self.weights, self.kv, self.backend, self.max_context = weights, kv, backend, max_context
+        self.special_tokens = {}  # bos_token, eos_token, ...: chat template variables
         self.draft = None        # an attached draft Model (the bundled default has one)
         self._mtp = None         # the checkpoint's MTP head (the `mtp` property)
         self.mtp_loader = None   # (engine, threads) -> _core.MtpHead: builds it on first use
@@ -323,7 +324,8 @@ class Model:
     def apply_chat_template(self, messages, add_generation_prompt=True, **template_kwargs) -> str:
         """The messages as the checkpoint's chat template writes them. The template is the
         checkpoint's code, so it runs sandboxed (chat_template.py); template_kwargs reach it too
-        (tools, enable_thinking, ...). A checkpoint without a template gets ChatML, with a
+        (tools, enable_thinking, ...), as do the tokenizer's special tokens (bos_token,
+        eos_token, ...: special_tokens), as transformers passes them. A checkpoint without a template gets ChatML, with a
         warning (chat_template.template_for). ValueError when it fails, refuses the messages
         (raise_exception) or tries what the sandbox forbids."""
         from .chat_template import compile_chat_template, render_chat_template, template_for
@@ -336,8 +338,8 @@ class Model:
             src = want
             compiled = compile_chat_template(src)
             self._compiled_chat_template = (src, compiled)
-        return render_chat_template(compiled, messages=messages,
-                                    add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return render_chat_template(compiled, **{**self.special_tokens, **template_kwargs},
+                                    messages=messages, add_generation_prompt=add_generation_prompt)
 
     def __repr__(self) -> str:
         c = self.config
