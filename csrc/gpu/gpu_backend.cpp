@@ -215,8 +215,6 @@ void GpuBackend::upload_matrix(const QMatrix& m) {
       break;
     }
     case WFormat::Q4:  // already [rows][cols_pad / 2] nibbles + [rows][groups] scales (and biases)
-      SW_CHECK(!m.affine(), "a pre-quantized checkpoint's affine 4-bit groups (MLX) run on the "
-               "cpu backend only so far; load it with backend='cpu' or weights='f32'");
       put(&g.w, m.q4.data(), R * m.cols_pad / 2);
       put(&g.scale, m.scale.data(), m.scale.size() * 4);
       if (m.affine()) put(&g.bias, m.bias.data(), m.bias.size() * 4);
