@@ -57,26 +57,36 @@ kernel void embed_rows_q8(device const int* tokens      [[buffer(0)]],  // [n]
     x[r * H + k] = ok ? float(table[size_t(t) * p.cols_pad + k]) * scale[t] : 0.0f;
 }
 
-// q4 as the CPU packs it (csrc/weights.h): groups of 64 inputs, byte j of a group holds input
-// j in its low nibble and input j + 32 in its high one, q + 8; one scale per (row, group).
+// q4 as the CPU packs it (csrc/weights.h, QMatrix::q4_byte): runs of 64 inputs in 32 bytes;
+// groups of 64: byte j holds input j in its low nibble and input j + 32 in its high one; groups
+// of 32 (affine only): bytes 16i + j hold inputs 32i + j and 32i + j + 16. One scale (and for
+// affine one bias) per (row, group). The value is QMatrix::dequant_row's: symmetric
+// float(q - 8) * scale, affine float(q) * scale + bias (two roundings, no fma).
 kernel void embed_rows_q4(device const int* tokens      [[buffer(0)]],  // [n]
                           device const uchar* table     [[buffer(1)]],  // [vocab, cols_pad / 2]
-                          device const float* scale     [[buffer(2)]],  // [vocab, cols_pad / 64]
-                          device float* x               [[buffer(3)]],  // [n, hidden]
-                          constant SwEmbedParams& p     [[buffer(4)]],
+                          device const float* scale     [[buffer(2)]],  // [vocab, cols_pad / group]
+                          device const float* bias      [[buffer(3)]],  // [vocab, cols_pad / group] (affine)
+                          device float* x               [[buffer(4)]],  // [n, hidden]
+                          constant SwEmbedParams& p     [[buffer(5)]],
                           uint3 tg                      [[threadgroup_position_in_grid]],
                           uint tid                      [[thread_index_in_threadgroup]],
                           uint nsg                      [[simdgroups_per_threadgroup]])
 {
-  const int r = tg.x, t = tokens[r], H = p.hidden, G = p.cols_pad / SW_Q4_GROUP;
+  const int r = tg.x, t = tokens[r], H = p.hidden, G = p.cols_pad / p.group, half = p.group / 2;
   const bool ok = t >= 0 && t < p.vocab;
   for (int k = tid; k < H; k += nsg * SW_SIMD) {
     float v = 0.0f;
     if (ok) {
-      const int g = k / SW_Q4_GROUP, j = k % SW_Q4_GROUP;
-      const uint b = table[size_t(t) * (p.cols_pad / 2) + g * (SW_Q4_GROUP / 2) + j % (SW_Q4_GROUP / 2)];
-      const int q = int(j < SW_Q4_GROUP / 2 ? (b & 15u) : (b >> 4)) - 8;
-      v = float(q) * scale[size_t(t) * G + g];
+      const int j = k % SW_Q4_GROUP, g = k / p.group;
+      const uint b = table[size_t(t) * (p.cols_pad / 2) + (k - j) / 2 + (j / p.group) * half + j % half];
+      const int q = int(k % p.group < half ? (b & 15u) : (b >> 4));
+      const size_t sg = size_t(t) * G + g;
+      if (p.affine) {
+        const float qs = float(q) * scale[sg];  // rounded before the add, as the CPU
+        v = qs + bias[sg];
+      } else {
+        v = float(q - 8) * scale[sg];
+      }
     }
     x[r * H + k] = v;
   }

@@ -19,7 +19,7 @@ enum {
   SW_GDN_THREADS_W = 256,  // threads per gdn_window threadgroup
   SW_Q8_MAX_ROWS = 16,
   SW_Q8_THREADS = 256,   // 8 simdgroups per q8 threadgroup, one output channel each
-  SW_Q4_GROUP = 64,      // q4 weights: inputs sharing one scale (csrc/weights.h)
+  SW_Q4_GROUP = 64,      // q4 weights: inputs a run of 32 bytes, and a symmetric group (csrc/weights.h)
   SW_LSE_LANES = 256,    // logsumexp_rows: the fixed number of partial sums of a row
   SW_TOPK_MAX = 16,      // top_k_rows: k <= 16
   SW_NO_INDEX = 0x7fffffff,  // rows.metal: "no index yet", loses to every real one
@@ -55,11 +55,19 @@ struct SwGDNParams {
   int last_state_only;
 };
 
-// q8_quantize_rows / q8_matmul / q4_matmul (q8_matmul.metal), matmul_f32 / matmul_bf16
-// (matmul.metal): the one matmul parameter block. cols_pad is the int8 row stride (q8: a
-// multiple of 32, q4: of 64); the float matmuls read rows of `cols`.
+// q8_quantize_rows / q8_matmul (q8_matmul.metal), matmul_f32 / matmul_bf16 (matmul.metal):
+// the one matmul parameter block. cols_pad is the int8 row stride (q8: a multiple of 32, q4: of
+// 64); the float matmuls read rows of `cols`.
 struct SwQ8Params {
   int rows, cols, cols_pad, out_features;
+};
+
+// q4_matmul: SwQ8Params' rows, cols_pad and out_features, and the weights' groups (QMatrix's
+// `group` and affine()): group = inputs a scale, SW_Q4_GROUP (64) or 32 (affine only);
+// affine = 1: a bias a group too, the weight scale * q + bias with q the nibble itself;
+// 0: symmetric, (q - 8) * scale.
+struct SwQ4Params {
+  int rows, cols_pad, out_features, group, affine;
 };
 
 // elementwise.metal: n is the element count (add_inplace, silu_mul, sigmoid_mul) or the row
@@ -70,9 +78,10 @@ struct SwEltParams {
 };
 
 // embed_rows_*: tokens [n_tokens] -> x [n_tokens, hidden] from a [vocab, hidden] table
-// (q8/q4: rows of cols_pad int8 / cols_pad / 2 bytes).
+// (q8/q4: rows of cols_pad int8 / cols_pad / 2 bytes). group, affine: embed_rows_q4's groups as
+// SwQ4Params' (the other formats leave them 0).
 struct SwEmbedParams {
-  int n_tokens, hidden, cols_pad, vocab;
+  int n_tokens, hidden, cols_pad, vocab, group, affine;
 };
 
 // rows.metal: rms_norm (cols = dim, eps), argmax_rows / logsumexp_rows / top_k_rows (k).

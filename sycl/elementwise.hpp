@@ -10,14 +10,16 @@
 
 namespace swsycl {
 
-constexpr int kQ4Group = 64;  // q4 weights: inputs sharing one scale (csrc/weights.h)
+constexpr int kQ4Run = 64;  // q4 weights: inputs a run of 32 bytes (csrc/weights.h, SW_Q4_GROUP)
 
 struct EmbedArgs {  // tokens [n] -> x [n, hidden] from a [vocab, hidden] table
   const int32_t* tokens;
   const void* table;   // float / bf16 bits / int8 [vocab, cols_pad] / q4 bytes [vocab, cols_pad / 2]
-  const float* scale;  // q8: [vocab]; q4: [vocab, cols_pad / 64]
+  const float* scale;  // q8: [vocab]; q4: [vocab, cols_pad / group]
+  const float* bias;   // q4 affine: [vocab, cols_pad / group]
   float* x;
   int n_tokens, hidden, cols_pad, vocab;
+  int group, affine;   // q4: SwEmbedParams' (64 or 32; 1: a bias a group, q the nibble itself)
 };
 
 // The row gather of every format: x[r][k] = value(t, k), 0 for a token outside the table.
@@ -43,16 +45,23 @@ template <class It> void embed_rows_q8(const It& it, const EmbedArgs& a) {
   embed_rows(it, a, [&](int t, int k) { return float(tab[size_t(t) * a.cols_pad + k]) * a.scale[t]; });
 }
 
-// q4 as the CPU packs it: byte j of a 64-input group holds input j (low nibble) and j + 32
-// (high), q + 8; one scale per (row, group).
+// q4 as the CPU packs it (metal/elementwise.metal embed_rows_q4, QMatrix::q4_byte): runs of 64
+// inputs in 32 bytes; groups of 64: byte j holds input j (low nibble) and j + 32 (high); groups
+// of 32: bytes 16i + j hold inputs 32i + j and 32i + j + 16. QMatrix::dequant_row's value:
+// symmetric float(q - 8) * scale, affine float(q) * scale + bias (two roundings, no fma).
 template <class It> void embed_rows_q4(const It& it, const EmbedArgs& a) {
   const uint8_t* tab = static_cast<const uint8_t*>(a.table);
-  const int G = a.cols_pad / kQ4Group;
+  const int G = a.cols_pad / a.group, half = a.group / 2;
   embed_rows(it, a, [&](int t, int k) {
-    const int g = k / kQ4Group, j = k % kQ4Group;
-    const uint32_t b = tab[size_t(t) * (a.cols_pad / 2) + g * (kQ4Group / 2) + j % (kQ4Group / 2)];
-    const int q = int(j < kQ4Group / 2 ? (b & 15u) : (b >> 4)) - 8;
-    return float(q) * a.scale[size_t(t) * G + g];
+    const int j = k % kQ4Run, g = k / a.group;
+    const uint32_t b = tab[size_t(t) * (a.cols_pad / 2) + (k - j) / 2 + (j / a.group) * half + j % half];
+    const int q = int(k % a.group < half ? (b & 15u) : (b >> 4));
+    const size_t sg = size_t(t) * G + g;
+    if (a.affine) {
+      const float qs = float(q) * a.scale[sg];  // rounded before the add, as the CPU
+      return qs + a.bias[sg];
+    }
+    return float(q - 8) * a.scale[sg];
   });
 }
 

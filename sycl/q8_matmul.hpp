@@ -50,40 +50,50 @@ void q8_matmul(const It& it, const Q8Args& a) {
 namespace swsycl {
 
 struct Q4Args {
-  const uint8_t* w;       // [out, cols_pad / 2]: byte j of a 64-input group holds inputs j (low), j + 32 (high), q + 8
-  const float* w_scale;   // [out, cols_pad / 64]
+  const uint8_t* w;       // [out, cols_pad / 2]: runs of 64 inputs in 32 bytes (csrc/weights.h)
+  const float* w_scale;   // [out, cols_pad / group]
+  const float* w_bias;    // [out, cols_pad / group] (affine only)
   const int8_t* xq;       // [rows, cols_pad] from q8_quantize_rows
   const float* xs;        // [rows]
   float* y;               // [rows, out]
   int rows, cols_pad, out_features;
+  int group, affine;      // SwQ4Params': 64 or 32; 1: a bias a group, q the nibble itself
 };
 
-// Q4 matmul for 1..16 rows in the CPU's order (metal/q8_matmul.metal q4_matmul): per row 8
-// float lanes; for 64-input group g lane l holds the exact int I[l] = sum over j = 4l..4l+3 of
-// x[64g+j] q[64g+j] + x[64g+32+j] q[64g+32+j]; lane_acc[l] = fma(scale_g, float(I[l]),
-// lane_acc[l]) over groups in order; the lanes fold 4-2-1, times the row's activation scale.
-// Each run of 8 sub-group lanes is one output's 8 CPU lanes (4 outputs a sub-group): lane l
-// walks the groups in order on its own, and only the final fold crosses lanes.
+// Q4 matmul for 1..16 rows in the CPU's order (metal/q8_matmul.metal q4_matmul, mm_q4_job):
+// per row 8 float lanes over runs of 64 inputs; for run s lane l holds the exact int
+// I[l] = sum over b = 4l..4l+3 of x[64s+in(b)] q[64s+in(b)] + x[64s+in(b)+h] q[64s+in(b)+h]
+// (h = group / 2; in(b) = b for groups of 64, (b / 16) * 32 + b % 16 for groups of 32);
+// lane_acc[l] = fma(scale, float(I[l]), lane_acc[l]) with the lane's group's scale, runs in
+// order; affine groups then lane_acc[l] = fma(bias, float(X[l]), lane_acc[l]), X[l] the sum of
+// the lane's 8 activations; the lanes fold 4-2-1, times the row's activation scale. Each run
+// of 8 sub-group lanes is one output's 8 CPU lanes (4 outputs a sub-group): lane l walks the
+// runs in order on its own, and only the final fold crosses lanes.
 template <class It>
 void q4_matmul(const It& it, const Q4Args& a) {
-  const int lane = sg_lane(it), l = lane % 8, G = a.cols_pad / 64;
+  const int lane = sg_lane(it), l = lane % 8, runs = a.cols_pad / 64, per_run = 64 / a.group, h = a.group / 2;
   const int o = (int(it.get_group(0)) * sg_count(it) + sg_index(it)) * 4 + lane / 8;
-  const bool live = o < a.out_features;  // every lane stays for the fold's shuffles
+  const int gi = 4 * l / h, in_lo = gi * a.group + 4 * l % h;  // the lane's group in a run, first input
+  const bool affine = a.affine != 0, live = o < a.out_features;  // every lane stays for the fold
+  const int zero = affine ? 0 : 8;  // the nibble's offset
   float acc[kQ8MaxRows];
   for (int r = 0; r < a.rows; ++r) acc[r] = 0.0f;
   if (live) {
-    const uint8_t* wrow = a.w + size_t(o) * (a.cols_pad / 2);  // 32 bytes a group
-    const float* sc = a.w_scale + size_t(o) * G;
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* b = wrow + g * 32 + 4 * l;  // inputs 4l.. (low nibbles) and 32+4l.. (high)
+    const uint8_t* wrow = a.w + size_t(o) * (a.cols_pad / 2);  // 32 bytes a run
+    const float* sc = a.w_scale + size_t(o) * runs * per_run;
+    const float* bi = a.w_bias + size_t(o) * runs * per_run;
+    for (int s = 0; s < runs; ++s) {
+      const uint8_t* b = wrow + s * 32 + 4 * l;  // inputs in_lo.. (low nibbles) and in_lo + h.. (high)
       int lo[4], hi[4];
-      for (int e = 0; e < 4; ++e) lo[e] = int(b[e] & 15u) - 8, hi[e] = int(b[e] >> 4) - 8;
-      const float s = sc[g];
+      for (int e = 0; e < 4; ++e) lo[e] = int(b[e] & 15u) - zero, hi[e] = int(b[e] >> 4) - zero;
+      const int g = s * per_run + gi;
+      const float scale = sc[g], bias = affine ? bi[g] : 0.0f;
       for (int r = 0; r < a.rows; ++r) {
-        const int8_t* xr = a.xq + r * a.cols_pad + g * 64;
-        int d = 0;
-        for (int e = 0; e < 4; ++e) d += int(xr[4 * l + e]) * lo[e] + int(xr[32 + 4 * l + e]) * hi[e];
-        acc[r] = fma(s, float(d), acc[r]);
+        const int8_t* xr = a.xq + r * a.cols_pad + s * 64 + in_lo;
+        int d = 0, sx = 0;
+        for (int e = 0; e < 4; ++e) d += int(xr[e]) * lo[e] + int(xr[h + e]) * hi[e], sx += int(xr[e]) + int(xr[h + e]);
+        acc[r] = fma(scale, float(d), acc[r]);
+        if (affine) acc[r] = fma(bias, float(sx), acc[r]);
       }
     }
   }

@@ -168,9 +168,9 @@ template <class L> void op_q8_matmul(L& run, const Call& c) {
 }
 
 template <class L> void op_q4_matmul(L& run, const Call& c) {
-  const SwQ8Params& p = c.prm<SwQ8Params>(5);
-  const Q4Args a{c.b<const uint8_t>(0), c.b<const float>(1), c.b<const int8_t>(2), c.b<const float>(3),
-                 c.b<float>(4), p.rows, p.cols_pad, p.out_features};
+  const SwQ4Params& p = c.prm<SwQ4Params>(6);
+  const Q4Args a{c.b<const uint8_t>(0), c.b<const float>(1), c.b<const float>(2), c.b<const int8_t>(3),
+                 c.b<const float>(4), c.b<float>(5), p.rows, p.cols_pad, p.out_features, p.group, p.affine};
   run.launch(c.groups_1d(), c.threads(), 0, [=](const auto& it, int8_t*) { q4_matmul(it, a); });
 }
 
@@ -190,10 +190,11 @@ template <class L, int kBf16> void op_matmul(L& run, const Call& c) {
 enum class Fmt { f32, bf16, q8, q4 };
 
 template <class L, Fmt F> void op_embed(L& run, const Call& c) {
-  constexpr bool scaled = F == Fmt::q8 || F == Fmt::q4;
-  const SwEmbedParams& p = c.prm<SwEmbedParams>(scaled ? 4 : 3);
-  const EmbedArgs a{c.b<const int32_t>(0), c.b<const void>(1), scaled ? c.b<const float>(2) : nullptr,
-                    c.b<float>(scaled ? 3 : 2), p.n_tokens, p.hidden, p.cols_pad, p.vocab};
+  constexpr int nscale = F == Fmt::q4 ? 2 : F == Fmt::q8 ? 1 : 0;  // scale (and q4's bias) buffers
+  const SwEmbedParams& p = c.prm<SwEmbedParams>(3 + nscale);
+  const EmbedArgs a{c.b<const int32_t>(0), c.b<const void>(1), nscale ? c.b<const float>(2) : nullptr,
+                    nscale == 2 ? c.b<const float>(3) : nullptr, c.b<float>(2 + nscale),
+                    p.n_tokens, p.hidden, p.cols_pad, p.vocab, p.group, p.affine};
   run.launch(c.groups_1d(), c.threads(), 0, [=](const auto& it, int8_t*) {
     if constexpr (F == Fmt::f32) embed_rows_f32(it, a);
     else if constexpr (F == Fmt::bf16) embed_rows_bf16(it, a);
@@ -285,13 +286,13 @@ template <class L> const std::vector<Op<L>>& ops() {
       SW_OP(gdn_window, 5, 0, SwGDNParams, op_gdn_window<L>),
       SW_OP(q8_quantize_rows, 4, 1, SwQ8Params, op_q8_quantize_rows<L>),
       SW_OP(q8_matmul, 6, 0, SwQ8Params, op_q8_matmul<L>),
-      SW_OP(q4_matmul, 6, 0, SwQ8Params, op_q4_matmul<L>),
+      SW_OP(q4_matmul, 7, 0, SwQ4Params, op_q4_matmul<L>),
       SW_OP(matmul_f32, 4, 0, SwQ8Params, (op_matmul<L, 0>)),
       SW_OP(matmul_bf16, 4, 0, SwQ8Params, (op_matmul<L, 1>)),
       SW_OP(embed_rows_f32, 4, 0, SwEmbedParams, (op_embed<L, Fmt::f32>)),
       SW_OP(embed_rows_bf16, 4, 0, SwEmbedParams, (op_embed<L, Fmt::bf16>)),
       SW_OP(embed_rows_q8, 5, 0, SwEmbedParams, (op_embed<L, Fmt::q8>)),
-      SW_OP(embed_rows_q4, 5, 0, SwEmbedParams, (op_embed<L, Fmt::q4>)),
+      SW_OP(embed_rows_q4, 6, 0, SwEmbedParams, (op_embed<L, Fmt::q4>)),
       SW_OP(add_inplace, 3, 0, SwEltParams, op_add_inplace<L>),
       SW_OP(silu_mul, 4, 0, SwEltParams, op_silu_mul<L>),
       SW_OP(sigmoid_mul, 4, 0, SwEltParams, op_sigmoid_mul<L>),

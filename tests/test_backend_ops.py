@@ -222,6 +222,58 @@ def test_matmul(checkpoint, backend, rng, fmt, group, rows):
         assert (np.concatenate([a[k] for a in alone]) == y).all(), "a row depends on the others"
 
 
+# ---------------------------------------------------------------- affine q4 groups, as stored
+
+# the model of SHAPE with widths MLX quantizes (multiples of 64): 128 inputs (two runs of 64),
+# 192 (three) for down_proj; every matrix, the embedding and the LM head as stored
+AFFINE_SHAPE = dict(SHAPE, hidden=128, intermediate=192)
+
+
+@pytest.fixture(scope="module", params=[32, 64], ids=["g32", "g64"])
+def mlx_checkpoint(request, tmp_path_factory):
+    """An MLX 4-bit checkpoint (affine groups of 32 or 64) and its dequantized twin's tensors."""
+    from test_formats import write_mlx  # (skips without torch, as test_formats does)
+    group, root = request.param, tmp_path_factory.mktemp(f"mlx{request.param}")
+    make_tiny_checkpoint(root / "float", seed=5, **AFFINE_SHAPE)
+    write_mlx(root / "float", root / "mlx", root / "deq", 4, group)
+    ck, deq = read_checkpoint(root / "mlx"), read_checkpoint(root / "deq")
+    assert set(ck.weights.q4_affine_names.values()) == {group}
+    assert "lm_head.weight" in ck.weights.q4_affine_names
+    return engine_dims(ck.config), ck.weights, deq.weights
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_affine_q4_matmul_and_embed_are_the_cpus(mlx_checkpoint, backend, rng, rows):
+    """A q4 load of an MLX 4-bit checkpoint keeps its affine groups (of 32 or 64) as stored on
+    every backend: the embedding rows are the file's values (`==` the dequantized twin), and
+    every matmul gives the bits of the CPU's portable kernel (mm_q4_job's order) for 1..16 rows,
+    a row alone the same as in the batch; within 1e-6 of the output scale of the float64 product
+    of the same int8 activations and dequantized weights (a lost bias is off by far more)."""
+    dims, weights, deq = mlx_checkpoint
+    ops_ = make_ops((dims, weights, None), backend, "q4")
+    ref = make_ops((dims, weights, None), BACKENDS[0], "q4")
+    tokens = np.array([3, 0, 299, 3, 17, 150, 64], np.int32)
+    with on(backend):
+        x = ops_.embed(tokens)
+    assert (x == deq["model.embed_tokens.weight"][tokens]).all()
+    for names in MATMULS.values():
+        cols = deq[names[0]].shape[1]
+        xin = f32(rng, rows, cols, scale=2)
+        if rows > 1:
+            xin[1] = 0
+        with on(BACKENDS[0]):
+            want = ref.matmul(xin, names)
+        with on(backend):
+            ys = ops_.matmul(xin, names)
+            alone = [ops_.matmul(xin[r:r + 1].copy(), names) for r in range(rows)]
+        xq, xs = quant.quantize_acts(xin, cols)
+        for k, name in enumerate(names):
+            assert (ys[k] == want[k]).all(), f"{name}: not the CPU's bits"
+            exact = (xq.astype(np.float64) * xs[:, None]) @ deq[name].astype(np.float64).T
+            assert_close(ys[k], exact, 1e-6 * np.abs(exact).max(), name)
+            assert (np.concatenate([a[k] for a in alone]) == ys[k]).all(), "a row depends on the others"
+
+
 # ---------------------------------------------------------------- the sequence's state
 
 def tree_inputs(rng, cfg, n):

@@ -58,9 +58,10 @@ def test_embed_rows_dequantize_as_the_cpu(dev, rng, fmt):
         args, pad, want = [q, s], q.shape[1], quant.q8_dequantize(q, s, hidden)
     else:
         q, s = quant.q4_weights(w)
-        args, pad, want = [q, s], 2 * q.shape[1], quant.q4_dequantize(q, s, hidden)
+        args, pad, want = [q, s, s], 2 * q.shape[1], quant.q4_dequantize(q, s, hidden)  # symmetric: bias unread
     assert (want == cpu).all(), "the numpy packing is the CPU's"
-    gu.run(dev, f"embed_rows_{fmt}", [tokens, *args, x, gu.pack(n, hidden, pad, vocab)], n, 64)
+    group = 64 if fmt == "q4" else 0
+    gu.run(dev, f"embed_rows_{fmt}", [tokens, *args, x, gu.pack(n, hidden, pad, vocab, group, 0)], n, 64)
     assert (x[:-1] == cpu[tokens[:-1]]).all()
     assert (x[-1] == 0).all()
 
@@ -217,7 +218,9 @@ def test_int8_matmul_is_the_cpus(dev, rng, fmt, rows):
     y = np.zeros((rows, out), np.float32)
     kernel = f"{fmt}_matmul"
     groups = -(-out // (8 if fmt == "q8" else 32))  # q4: four outputs a simdgroup
-    gu.run(dev, kernel, [wq, ws, xq, xs, y, gu.pack(rows, 0, pad, out)], groups, 256)
+    wargs = [wq, ws] if fmt == "q8" else [wq, ws, ws]  # q4 symmetric: the bias is unread
+    params = (lambda n: gu.pack(n, 0, pad, out)) if fmt == "q8" else (lambda n: gu.pack(n, pad, out, 64, 0))
+    gu.run(dev, kernel, [*wargs, xq, xs, y, params(rows)], groups, 256)
     assert (y == _core.WeightMatrix(w, fmt).matmul(x, threads=1)).all()
     if fmt == "q8":
         want, ops_count = quant.q8_matmul(wq, ws, xq, xs), 2
@@ -229,8 +232,72 @@ def test_int8_matmul_is_the_cpus(dev, rng, fmt, rows):
     mag = (np.abs(xq[:, :x.shape[1]]).astype(np.float64) * xs[:, None]) @ absw.T.astype(np.float64)
     assert np.all(np.abs(y - want) <= ops_count * U * mag * 1.0001 + 1e-30)
     if rows == 16:
-        row_independent(dev, kernel, lambda r, yr: [wq, ws, xq[r:r + 1].copy(), xs[r:r + 1].copy(), yr,
-                                                     gu.pack(1, 0, pad, out)], y, groups)
+        row_independent(dev, kernel, lambda r, yr: [*wargs, xq[r:r + 1].copy(), xs[r:r + 1].copy(), yr,
+                                                     params(1)], y, groups)
+
+
+# ---------------------------------------------------------------- affine q4 groups (as stored)
+
+def affine_case(rng, out, cols, group):
+    """An affine Q4 matrix as a pre-quantized checkpoint stores it (QMatrix with a bias, groups
+    of `group`): the CPU's WeightMatrix.affine and the kernels' buffers (nibbles in the CPU's
+    byte order, scales, biases [out, cols / group]). Scales and biases of both signs and
+    magnitudes spread over decades, so a wrong group, nibble, fma order or a dropped bias shows."""
+    from sapwood.formats.common import pack_q4_affine
+    q = rng.integers(0, 16, (out, cols)).astype(np.uint8)
+    ng = cols // group
+    s = (rng.standard_normal((out, ng)) * 10.0 ** rng.uniform(-3, 0, (out, ng))).astype(np.float32)
+    b = (rng.standard_normal((out, ng)) * 10.0 ** rng.uniform(-2, 1, (out, ng))).astype(np.float32)
+    s[0, 0], b[1, -1] = 0, 0
+    nib, *_ = pack_q4_affine(q, s, b, group)
+    cpu = _core.WeightMatrix.affine(q, s, b)
+    assert (cpu.dequantized() == (s.repeat(group, 1) * q.astype(np.float32) + b.repeat(group, 1))).all()
+    return cpu, nib.reshape(out, cols // 2), s, b
+
+
+@pytest.mark.parametrize("group", [64, 32])
+@pytest.mark.parametrize("cols", [64, 320])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_affine_q4_matmul_is_the_cpus(dev, rng, group, cols, rows):
+    """q4_matmul over affine groups of 64 and of 32 (one run of 64 inputs, and five): the CPU's
+    bits (mm_q4_job's order: fma of the scale then of the bias per lane and run), for 1..16 rows
+    with an all-zero row, and a row's bits the same alone as in a launch of 16."""
+    out = 45  # not a multiple of the 4 outputs a simdgroup
+    cpu, nib, s, b = affine_case(rng, out, cols, group)
+    x = f32(rng, rows, cols, scale=2)
+    if rows > 1:
+        x[1] = 0  # activation scale 0
+    xq, xs = np.zeros((rows, cols), np.int8), np.zeros(rows, np.float32)
+    gu.run(dev, "q8_quantize_rows", [x, xq, xs, gu.pack(rows, cols, cols, 0)], rows, 256, [32])
+    y = np.full((rows, out), np.nan, np.float32)
+    groups = -(-out // 32)
+    params = lambda n: gu.pack(n, cols, out, group, 1)
+    gu.run(dev, "q4_matmul", [nib, s, b, xq, xs, y, params(rows)], groups, 256)
+    want = cpu.matmul(x, threads=1)
+    assert (y == want).all(), np.abs(y - want).max()
+    # and near the float64 product of the same int8 activations and weights: the case is not
+    # degenerate (a dropped bias term moves it by far more than the rounding)
+    exact = (xq.astype(np.float64) * xs[:, None].astype(np.float64)) @ cpu.dequantized().T.astype(np.float64)
+    mag = (np.abs(xq).astype(np.float64) * xs[:, None]) @ np.abs(cpu.dequantized()).T.astype(np.float64)
+    assert np.all(np.abs(y - exact) <= (2 * cols // group + 4) * U * mag * 1.0001 + 1e-30)
+    if rows == 16:
+        row_independent(dev, "q4_matmul", lambda r, yr: [nib, s, b, xq[r:r + 1].copy(), xs[r:r + 1].copy(),
+                                                         yr, params(1)], y, groups)
+
+
+@pytest.mark.parametrize("group", [64, 32])
+def test_affine_embed_rows_are_the_cpus(dev, rng, group):
+    """embed_rows_q4 over affine groups: QMatrix::dequant_row's bits (float(q) * scale, rounded,
+    plus bias: no fma), zeros for a token outside the table."""
+    vocab, hidden = 50, 192
+    cpu, nib, s, b = affine_case(rng, vocab, hidden, group)
+    tokens = np.array([3, 0, 49, 3, 17, 1, 50], np.int32)
+    n = len(tokens)
+    x = np.full((n, hidden), np.nan, np.float32)
+    gu.run(dev, "embed_rows_q4", [tokens, nib, s, b, x, gu.pack(n, hidden, hidden, vocab, group, 1)], n, 64)
+    want = cpu.dequantized()
+    assert (x[:-1] == want[tokens[:-1]]).all()
+    assert (x[-1] == 0).all()
 
 
 # ---------------------------------------------------------------- drafting over logits

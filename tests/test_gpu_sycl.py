@@ -51,12 +51,13 @@ def cases(rng):
     w = f32(rng, vocab, hidden)
     q8, s8 = quant.q8_weights(w)
     q4, s4 = quant.q4_weights(w)
-    emb = lambda *tab, pad: ([tokens, *tab, np.zeros((n, hidden), np.float32), gu.pack(n, hidden, pad, vocab)], n, 64, [])
+    emb = lambda *tab, pad, group=0: ([tokens, *tab, np.zeros((n, hidden), np.float32),
+                                       gu.pack(n, hidden, pad, vocab, group, 0)], n, 64, [])
     c = {
         "embed_rows_f32": emb(w, pad=hidden),
         "embed_rows_bf16": emb(quant.to_bf16(w), pad=hidden),
         "embed_rows_q8": emb(q8, s8, pad=q8.shape[1]),
-        "embed_rows_q4": emb(q4, s4, pad=2 * q4.shape[1]),
+        "embed_rows_q4": emb(q4, s4, s4, pad=2 * q4.shape[1], group=64),  # symmetric: bias unread
     }
     m = 700
     x, u = f32(rng, m, scale=4), f32(rng, m)
@@ -82,8 +83,8 @@ def cases(rng):
                         6, 256, [])
     wq, ws = quant.q4_weights(wm)
     xq, xs = quant.quantize_acts(xr, 2 * wq.shape[1])
-    c["q4_matmul"] = ([wq, ws, xq, xs, np.zeros((rows, out), np.float32), gu.pack(rows, 0, 2 * wq.shape[1], out)],
-                      2, 256, [])  # 4 outputs a simdgroup
+    c["q4_matmul"] = ([wq, ws, ws, xq, xs, np.zeros((rows, out), np.float32),
+                       gu.pack(rows, 2 * wq.shape[1], out, 64, 0)], 2, 256, [])  # 4 outputs a simdgroup
     c["rms_norm"] = ([f32(rng, rows, cols, scale=3), f32(rng, cols), np.zeros((rows, cols), np.float32),
                       gu.pack(rows, cols, 0, 1e-6)], rows, 96, [])
     logits = rng.integers(-4, 5, (rows, 1000)).astype(np.float32)  # ties

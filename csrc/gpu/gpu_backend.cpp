@@ -91,7 +91,7 @@ GpuBackend::Shared::~Shared() {
   auto rel = [&](gpu::Buffer& b) {
     if (b.handle) dev->release(b);
   };
-  for (auto& [k, m] : mats) rel(m.w), rel(m.scale);
+  for (auto& [k, m] : mats) rel(m.w), rel(m.scale), rel(m.bias);
   for (auto& [k, b] : vecs) rel(b);
   for (auto& b : conv_w) rel(b);
 }
@@ -190,6 +190,7 @@ void GpuBackend::add_weights(const std::vector<const QMatrix*>& mats,
 
 void GpuBackend::upload_matrix(const QMatrix& m) {
   Mat g{m.fmt, m.rows, m.cols, m.cols_pad, {}, {}};
+  g.group = m.group, g.affine = m.affine();
   const size_t R = size_t(m.rows), Cc = size_t(m.cols);
   switch (m.fmt) {
     case WFormat::F32:
@@ -213,11 +214,10 @@ void GpuBackend::upload_matrix(const QMatrix& m) {
       put(&g.scale, m.scale.data(), R * 4);
       break;
     }
-    case WFormat::Q4:  // already [rows][cols_pad / 2] nibbles + [rows][groups] scales
-      SW_CHECK(!m.affine(), "a pre-quantized checkpoint's affine 4-bit groups (MLX) run on the "
-               "cpu backend only so far; load it with backend='cpu' or weights='f32'");
+    case WFormat::Q4:  // already [rows][cols_pad / 2] nibbles + [rows][groups] scales (and biases)
       put(&g.w, m.q4.data(), R * m.cols_pad / 2);
       put(&g.scale, m.scale.data(), m.scale.size() * 4);
+      if (m.affine()) put(&g.bias, m.bias.data(), m.bias.size() * 4);
       break;
   }
   shared_->mats[&m] = std::move(g);
@@ -232,12 +232,14 @@ size_t GpuBackend::page_floats() const {
 void GpuBackend::embed(const QMatrix& table, const int* tokens, int n, Act x) {
   put(&tokens_, tokens, size_t(n) * 4);
   const Mat& m = mat(&table);
-  const SwEmbedParams p{n, m.cols, m.cols_pad, m.rows};
+  const SwEmbedParams p{n, m.cols, m.cols_pad, m.rows, m.group, m.affine};
   if (m.fmt == WFormat::F32 || m.fmt == WFormat::BF16)
     run(m.fmt == WFormat::F32 ? "embed_rows_f32" : "embed_rows_bf16", {buf(tokens_), buf(m.w), arg(x), val(p)},
         grid(n, 1, 256));
+  else if (m.fmt == WFormat::Q8)
+    run("embed_rows_q8", {buf(tokens_), buf(m.w), buf(m.scale), arg(x), val(p)}, grid(n, 1, 256));
   else
-    run(m.fmt == WFormat::Q8 ? "embed_rows_q8" : "embed_rows_q4", {buf(tokens_), buf(m.w), buf(m.scale), arg(x), val(p)},
+    run("embed_rows_q4", {buf(tokens_), buf(m.w), buf(m.scale), buf(m.bias_or_scale()), arg(x), val(p)},
         grid(n, 1, 256));
 }
 
@@ -319,12 +321,16 @@ void GpuBackend::matmul(Act x, int n, std::initializer_list<std::pair<const QMat
     for (int r0 = 0; r0 < n; r0 += kQ8Rows) {
       const int rows = std::min(kQ8Rows, n - r0);
       const Act yr = y + size_t(r0) * m.rows;
-      if (quant) {
+      if (m.fmt == WFormat::Q8) {  // a simdgroup an output
         const SwQ8Params p{rows, m.cols, m.cols_pad, m.rows};
-        run(m.fmt == WFormat::Q8 ? "q8_matmul" : "q4_matmul",
-            {buf(m.w), buf(m.scale), buf(xq_, size_t(r0) * m.cols_pad), buf(xs_, size_t(r0) * 4), arg(yr), val(p)},
-            // q8: a simdgroup an output; q4: 8 lanes an output, 4 a simdgroup
-            grid(blocks(m.rows, m.fmt == WFormat::Q8 ? kQ8Threads / 32 : kQ8Threads / 8), 1, kQ8Threads));
+        run("q8_matmul", {buf(m.w), buf(m.scale), buf(xq_, size_t(r0) * m.cols_pad), buf(xs_, size_t(r0) * 4),
+                          arg(yr), val(p)},
+            grid(blocks(m.rows, kQ8Threads / 32), 1, kQ8Threads));
+      } else if (m.fmt == WFormat::Q4) {  // 8 lanes an output, 4 a simdgroup
+        const SwQ4Params p{rows, m.cols_pad, m.rows, m.group, m.affine};
+        run("q4_matmul", {buf(m.w), buf(m.scale), buf(m.bias_or_scale()), buf(xq_, size_t(r0) * m.cols_pad),
+                          buf(xs_, size_t(r0) * 4), arg(yr), val(p)},
+            grid(blocks(m.rows, kQ8Threads / 8), 1, kQ8Threads));
       } else {
         const SwQ8Params p{rows, m.cols, m.cols, m.rows};
         run(m.fmt == WFormat::F32 ? "matmul_f32" : "matmul_bf16",

@@ -83,6 +83,10 @@ class GpuBackend final : public Backend {
     WFormat fmt;
     int rows, cols, cols_pad;
     gpu::Buffer w, scale;
+    gpu::Buffer bias;             // q4 affine: [rows][groups]; else unallocated
+    int group = kQ4Group;         // q4: inputs a scale (64, or 32 affine)
+    bool affine = false;
+    const gpu::Buffer& bias_or_scale() const { return affine ? bias : scale; }  // symmetric: unread
   };
   struct KVLayer {
     gpu::Buffer k, v, ks, vs;  // pages

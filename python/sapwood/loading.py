@@ -132,14 +132,10 @@ class CheckpointTensors(Mapping):
             self.on_bytes((r1 - r0) * info.row_bytes)
         return x
 
-    as_stored = True  # False: the engine gets every matrix's float rows (no q4a kernel)
-
     @property
     def q4_affine_names(self) -> dict:
         """{name: group size}: the matrices stored as affine 4-bit groups the engine runs as
         stored (formats/)."""
-        if not self.as_stored:
-            return {}
         return {n: i.q4_group for n, i in self.infos.items() if getattr(i, "q4_group", 0)}
 
     def read_q4_affine(self, name: str, r0: int, r1: int):
@@ -473,12 +469,7 @@ def load(path, *, weights: str = "auto", kv: str = "int8", backend: str = "auto"
     ck = read_checkpoint(local if is_gguf(local) else
                          resolve_checkpoint(path, revision=revision, download=download))
     asked, weights = weights, ck.auto_weights if weights == "auto" else weights
-    if asked == "auto" and backend != "cpu" and ck.weights.q4_affine_names:
-        # the GPU backends have no kernel for stored affine groups (a q4/q8 load that asks for
-        # them is refused by name): "auto" gives them the values, rounded into the mode
-        ck.weights.as_stored = False
-        ck.stored_matrices = None
-    again = requantized(ck.weights.infos, weights, ck.weights.as_stored)
+    again = requantized(ck.weights.infos, weights)
     if again:  # no kernel runs them as stored: exact in f32, rounded again in q8/q4/bf16
         how = " (what weights='auto' picks for this format)" if asked == "auto" else ""
         warnings.warn(f"{ck.path.name}: {again} {ck.stored_format} tensors are rounded again "

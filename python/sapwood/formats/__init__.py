@@ -61,15 +61,14 @@ def describe(raw_config: dict) -> str | None:
     return None
 
 
-def requantized(infos: dict, weights: str, as_stored: bool = True) -> int:
+def requantized(infos: dict, weights: str) -> int:
     """How many stored quantized tensors a load in `weights` rounds a second time: none in f32
     (every format widens exactly to float32); in q4/q8 those no kernel runs as stored (affine
-    4-bit groups do: `q4_group`, on the CPU backend: as_stored); in bf16 all of them."""
+    4-bit groups do, on every backend: `q4_group`); in bf16 all of them."""
     n = 0
     for info in infos.values():
         if getattr(info, "quantized", False):
-            kept = as_stored and info.q4_group > 0
-            n += weights == "bf16" or (weights in ("q4", "q8") and not kept)
+            n += weights == "bf16" or (weights in ("q4", "q8") and not info.q4_group > 0)
     return n
 
 
