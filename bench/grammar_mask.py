@@ -9,9 +9,10 @@ token as a tree walk does: consume the token, fill the node's mask, and (the dep
 tree walk of grammar.py) roll back and consume again. Reports the median and p90 microseconds
 of one node (consume + mask), per engine, after a warm-up pass.
 
-Part 2 (--model DIR or "default"): generate with json_schema= in verify="off" and
-verify="tree" (width 16, prompt lookup unless --drafter), plain and constrained, decode tokens
-per second; the tokens of each constrained run are checked equal across the two modes.
+Part 2 (--model DIR or "default"): generate with json_schema= in verify="off", verify="tree"
+(width 16, prompt lookup unless --drafter) and verify="auto" (the default policy), plain and
+constrained, decode tokens per second; the tokens of each constrained run are checked equal
+across the modes.
 
     python bench/grammar_mask.py [--model default --drafter default] [--reps 3]
 """
@@ -148,16 +149,17 @@ RECORDS = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
 
 def constrained_run(model_dir, drafter, reps):
     """Decode tokens/s and tokens per round of plain and constrained requests, verify="off"
-    against verify="tree" (width 16), alternated; each constrained request's tokens checked
+    against verify="tree" (width 16) and "auto", alternated; each constrained request's tokens checked
     equal across the modes. "records" (keys and punctuation mostly fixed) also runs without
     the forced-text drafts (grammar.MAX_GRAFT = 0) to show what they keep."""
     import sapwood
     from sapwood import grammar
     m = sapwood.load(model_dir)
     prompt = "# the settings, as JSON\nsettings = "
-    arms = {"plain off": {}, "plain tree": {}, "json off": dict(json_schema=SCHEMA),
-            "json tree": dict(json_schema=SCHEMA), "records off": dict(json_schema=RECORDS),
-            "records tree": dict(json_schema=RECORDS),
+    arms = {"plain off": {}, "plain tree": {}, "plain auto": {},
+            "json off": dict(json_schema=SCHEMA), "json tree": dict(json_schema=SCHEMA),
+            "json auto": dict(json_schema=SCHEMA), "records off": dict(json_schema=RECORDS),
+            "records tree": dict(json_schema=RECORDS), "records auto": dict(json_schema=RECORDS),
             "records tree, no forced drafts": dict(json_schema=RECORDS)}
     out = {}
     for rep in range(reps):
@@ -174,7 +176,8 @@ def constrained_run(model_dir, drafter, reps):
                      tokens_per_cycle=round(statistics.median(v[2] for v in runs), 2))
            for arm, runs in out.items()}
     for kind in ("json", "records"):
-        assert out[f"{kind} off"][0][1] == out[f"{kind} tree"][0][1], f"{kind}: modes differ"
+        for mode in ("tree", "auto"):
+            assert out[f"{kind} off"][0][1] == out[f"{kind} {mode}"][0][1], f"{kind}: modes differ"
     assert out["records tree"][0][1] == out["records tree, no forced drafts"][0][1]
     return res
 
