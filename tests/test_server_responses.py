@@ -107,28 +107,33 @@ def test_streaming_events_join_to_the_result(live):
 
 
 def test_streamed_function_call_events_are_openais(live):
-    """A streamed function call is OpenAI's event sequence: the item added with arguments "",
-    its arguments as response.function_call_arguments.delta events, .done with them whole,
-    the item done; the SDK's stream helper joins them to the response's call."""
+    """A streamed function call is OpenAI's event sequence: the item added with arguments ""
+    as soon as its name is written, its arguments as response.function_call_arguments.delta
+    events a parameter at a time, .done with them whole, the item done under the id it was
+    added with; the SDK's stream helper joins them to the response's call."""
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     kw = dict(model="tiny", input="Weather?", tools=tools, max_output_tokens=120,
               tool_choice={"type": "function", "name": "get_weather"}, temperature=0.5,
               parallel_tool_calls=False, extra_body={"seed": 1, **NO_THINK})
     whole = live.client.responses.create(**kw)
     want = [o for o in whole.output if o.type == "function_call"][0]
-    seen, deltas = [], []
+    seen, deltas, item_ids = [], [], set()
     for ev in live.client.responses.create(stream=True, **kw):
         if ev.type == "response.output_item.added" and ev.item.type == "function_call":
             seen.append(("added", ev.item.name, ev.item.arguments))
+            item_ids.add(ev.item.id)
         elif ev.type == "response.function_call_arguments.delta":
             deltas.append(ev.delta)
+            item_ids.add(ev.item_id)
         elif ev.type == "response.function_call_arguments.done":
             seen.append(("done", ev.name, ev.arguments))
         elif ev.type == "response.output_item.done" and ev.item.type == "function_call":
             seen.append(("item", ev.item.name, ev.item.arguments))
+            item_ids.add(ev.item.id)
     assert seen == [("added", "get_weather", ""), ("done", "get_weather", want.arguments),
                     ("item", "get_weather", want.arguments)]
-    assert "".join(deltas) == want.arguments
+    assert "".join(deltas) == want.arguments and len(item_ids) == 1
+    assert len(deltas) == len(json.loads(want.arguments)) + 1  # a parameter a piece, then "}"
     with live.client.responses.stream(**kw) as st:
         for _ in st:
             pass

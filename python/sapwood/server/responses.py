@@ -196,6 +196,9 @@ def output_items(call, ids: Ids, r) -> tuple[list, str]:
     calls = []
     if call.tools:
         content, calls = tools_.parse(content, call.tools)
+        streamed = call.tool_streams.get(r.index)
+        if streamed is not None and streamed.calls:  # the ids its stream gave out
+            calls = streamed.calls
     out = []
     if reasoning is not None:
         out.append({"type": "reasoning", "id": ids.reasoning, "summary": [], "status": "completed",
@@ -246,8 +249,9 @@ def sse(event: dict, seq: list) -> str:
 async def stream(call, ids: Ids, body: dict, created: float, api_error, store: Store,
                  items: list):
     """The Responses events of a streamed request: created, the reasoning and message items'
-    deltas as they come, function calls at the end (each added with arguments "", then its
-arguments in one delta), completed (or failed)."""
+    deltas as they come, each function call as it is written (added with arguments "" once its
+    name is out, then its arguments a parameter at a time: tools.Stream), completed (or
+    failed)."""
     seq = [0]
     yield sse({"type": "response.created",
                "response": response_object(call, ids, body, created)}, seq)
@@ -277,6 +281,24 @@ arguments in one delta), completed (or failed)."""
                     **({} if kind == "reasoning" else {"logprobs": []})})
         return evs
 
+    calls: dict = {}  # call k -> (its output index, its item id), as it began
+
+    def function_calls():
+        evs = []
+        for e in call.tool_calls_delta(0):
+            k, piece = e["index"], e["function"]["arguments"]
+            if k not in calls:
+                calls[k] = (len(open_items), "fc_" + e["id"][5:])
+                open_items.append(("call", k))
+                evs.append({"type": "response.output_item.added", "output_index": calls[k][0],
+                            "item": {"type": "function_call", "id": calls[k][1],
+                                     "call_id": e["id"], "name": e["function"]["name"],
+                                     "arguments": "", "status": "in_progress"}})
+            if piece:
+                evs.append({"type": "response.function_call_arguments.delta",
+                            "item_id": calls[k][1], "output_index": calls[k][0], "delta": piece})
+        return evs
+
     try:
         while call.pending:
             kind, payload = await call.events.get()
@@ -297,18 +319,16 @@ arguments in one delta), completed (or failed)."""
                 if t:
                     for ev in delta(k, t):
                         yield sse(ev, seq)
+            if call.tools:
+                for ev in function_calls():
+                    yield sse(ev, seq)
         result = call.results.get(0)
         if result is None:
             return
         output, status = output_items(call, ids, result)
         for index, item in enumerate(output):
             t = item["type"]
-            if t == "function_call":  # as OpenAI's: added empty, the arguments as a delta
-                yield sse({"type": "response.output_item.added", "output_index": index,
-                           "item": item | {"status": "in_progress", "arguments": ""}}, seq)
-                yield sse({"type": "response.function_call_arguments.delta",
-                           "item_id": item["id"], "output_index": index,
-                           "delta": item["arguments"]}, seq)
+            if t == "function_call":  # added and its arguments streamed as it was written
                 yield sse({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "arguments": item["arguments"],
                            "name": item["name"]}, seq)
