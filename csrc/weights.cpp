@@ -137,6 +137,13 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
   for (int o = 0; o < r; o += kQ8Group) set_rows(o, std::min(kQ8Group, r - o), w + size_t(o) * c, size_t(c));
 }
 
+void QMatrix::q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales,
+                       std::vector<float>* biases) const {
+  nibbles->assign(q4.begin(), q4.begin() + size_t(rows) * cols_pad / 2);  // stored so
+  scales->assign(scale.begin(), scale.begin() + size_t(rows) * groups());
+  biases->assign(bias.begin(), bias.begin() + (affine() ? size_t(rows) * groups() : 0));
+}
+
 size_t QMatrix::bytes() const {
   return f32.size() * 4 + bf16.size() * 2 + q8.size() + q8_sum.size() * 4 + q4.size() +
          scale.size() * 4 + bias.size() * 4;

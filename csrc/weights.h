@@ -77,6 +77,12 @@ struct QMatrix {
     return (size_t(o) * cols_pad + (k - j)) / 2 + (j / group) * half + j % half;
   }
   bool q4_high(int k) const { return (k % group) >= group / 2; }
+  // Q4 in the row-major layout sources hand over and the GPU kernels read: nibbles
+  // [rows][cols_pad / 2] (a run of 64 inputs in 32 bytes; groups of 64: byte j holds input j
+  // low and j + 32 high; groups of 32: bytes 16i + j hold inputs 32i + j and 32i + j + 16),
+  // scales and biases (affine) [rows][groups].
+  void q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales,
+                std::vector<float>* biases) const;
   size_t bytes() const;
   void dequant_row(int r, float* out) const;  // the weights as the matmul sees them
 };

@@ -214,11 +214,15 @@ void GpuBackend::upload_matrix(const QMatrix& m) {
       put(&g.scale, m.scale.data(), R * 4);
       break;
     }
-    case WFormat::Q4:  // already [rows][cols_pad / 2] nibbles + [rows][groups] scales (and biases)
-      put(&g.w, m.q4.data(), R * m.cols_pad / 2);
-      put(&g.scale, m.scale.data(), m.scale.size() * 4);
-      if (m.affine()) put(&g.bias, m.bias.data(), m.bias.size() * 4);
+    case WFormat::Q4: {  // [rows][cols_pad / 2] nibbles + [rows][groups] scales (and biases)
+      std::vector<uint8_t> nib;
+      std::vector<float> sc, bi;
+      m.q4_plain(&nib, &sc, &bi);
+      put(&g.w, nib.data(), nib.size());
+      put(&g.scale, sc.data(), sc.size() * 4);
+      if (m.affine()) put(&g.bias, bi.data(), bi.size() * 4);
       break;
+    }
   }
   shared_->mats[&m] = std::move(g);
 }
