@@ -329,8 +329,8 @@ PYBIND11_MODULE(_core, m) {
                for (int k = 0; k < cols; ++k) {
                  const uint8_t v = q.at(r, k);
                  SW_CHECK(v < 16, "q[", r, ", ", k, "] = ", int(v), ": 4-bit values are 0..15");
-                 uint8_t& byte = nib[m->q4_byte(r, k)];
-                 byte = uint8_t(m->q4_high(k) ? (byte & 0x0F) | (v << 4) : (byte & 0xF0) | v);
+                 uint8_t& byte = nib[m->q4_plain_byte(r, k)];
+                 byte = uint8_t(m->q4_plain_high(k) ? (byte & 0x0F) | (v << 4) : (byte & 0xF0) | v);
                }
              m->set_affine_rows(0, rows, nib.data(), s.data(), b.data());
              return m;

@@ -48,9 +48,18 @@ void QMatrix::init(int r, int c, WFormat f) {
     q8_sum.assign(r, 0);
   } else {
     cols_pad = round_up(c, kQ4Group);
-    q4.resize(size_t(r) * cols_pad / 2);
-    scale.assign(size_t(r) * groups(), 0.0f);
+    q4.resize(r16 * cols_pad / 2);
+    std::fill(q4.begin() + last * cols_pad / 2, q4.end(), uint8_t(0));
+    scale.assign(r16 * groups(), 0.0f);
   }
+}
+
+// Q4: output o's 64 nibbles v (inputs 64s .. 64s + 63) into their block; rows write disjoint
+// bytes (4 of each 64-byte slot), so loaders fill rows from several threads at once
+static void q4_put_run(QMatrix& m, int o, int s, const uint8_t* v) {
+  uint8_t* dst = &m.q4[m.q4_byte(o, s * kQ4Group)];
+  for (int t = 0; t < 8; ++t)
+    for (int i = 0; i < 4; ++i) dst[t * 64 + i] = uint8_t(v[4 * t + i] | (v[32 + 4 * t + i] << 4));
 }
 
 // Rows touch disjoint bytes (a Q4 byte holds two inputs of one row), so loaders fill rows from
@@ -72,14 +81,13 @@ void QMatrix::set_row(int o, const float* w) {
     for (int k = 0; k < cols_pad; ++k) q8[q8_index(o, k)] = q[k], sum += q[k];
     q8_sum[o] = sum;
   } else {
-    const int groups = cols_pad / kQ4Group;
-    for (int g = 0; g < groups; ++g) {
+    for (int g = 0; g < groups(); ++g) {
       const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
-      int8_t qs[kQ4Group] = {};  // inputs past cols stay 0: stored 8, as init leaves them
-      scale[size_t(o) * groups + g] = quantize_block(w + k0, k1 - k0, 7.0f, qs);
-      uint8_t* dst = &q4[q4_byte(o, k0)];  // byte j: input j (low nibble), j + 32 (high)
-      for (int j = 0; j < kQ4Group / 2; ++j)
-        dst[j] = uint8_t((qs[j] + 8) | ((qs[j + kQ4Group / 2] + 8) << 4));
+      int8_t qs[kQ4Group] = {};  // inputs past cols stay 0: stored 8
+      scale[q4_scale_index(o, g)] = quantize_block(w + k0, k1 - k0, 7.0f, qs);
+      uint8_t v[kQ4Group];
+      for (int j = 0; j < kQ4Group; ++j) v[j] = uint8_t(qs[j] + 8);
+      q4_put_run(*this, o, g, v);
     }
   }
 }
@@ -120,16 +128,29 @@ void QMatrix::init_affine(int r, int c, int g) {
   SW_CHECK(g == 32 || g == kQ4Group, "affine 4-bit groups of 32 or 64 inputs, got ", g);
   init(r, c, WFormat::Q4);
   group = g;
-  scale.assign(size_t(r) * groups(), 0.0f);
+  scale.assign(size_t(round_up(r, kQ8Group)) * groups(), 0.0f);
   bias.assign(scale.size(), 0.0f);
 }
 
 void QMatrix::set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
                               const float* biases) {
-  const size_t row = size_t(cols_pad) / 2, groups = size_t(this->groups());
-  std::memcpy(&q4[size_t(o0) * row], nibbles, size_t(n) * row);
-  std::memcpy(&scale[size_t(o0) * groups], scales, size_t(n) * groups * 4);
-  std::memcpy(&bias[size_t(o0) * groups], biases, size_t(n) * groups * 4);
+  const size_t row = size_t(cols_pad) / 2;
+  const int G = groups(), half = group / 2;
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* src = nibbles + size_t(r) * row;
+    for (int s = 0; s < cols_pad / kQ4Group; ++s, src += kQ4Group / 2) {
+      uint8_t v[kQ4Group];  // the run's 64 nibbles in input order (q4_plain_byte's layout)
+      for (int j = 0; j < kQ4Group / 2; ++j) {
+        const int k = (j / half) * group + j % half;
+        v[k] = src[j] & 0xF, v[k + half] = src[j] >> 4;
+      }
+      q4_put_run(*this, o0 + r, s, v);
+    }
+    for (int g = 0; g < G; ++g) {
+      scale[q4_scale_index(o0 + r, g)] = scales[size_t(r) * G + g];
+      bias[q4_scale_index(o0 + r, g)] = biases[size_t(r) * G + g];
+    }
+  }
 }
 
 void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
@@ -139,9 +160,20 @@ void QMatrix::quantize(const float* w, int r, int c, WFormat f) {
 
 void QMatrix::q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales,
                        std::vector<float>* biases) const {
-  nibbles->assign(q4.begin(), q4.begin() + size_t(rows) * cols_pad / 2);  // stored so
-  scales->assign(scale.begin(), scale.begin() + size_t(rows) * groups());
-  biases->assign(bias.begin(), bias.begin() + (affine() ? size_t(rows) * groups() : 0));
+  const int G = groups();
+  nibbles->assign(size_t(rows) * cols_pad / 2, 0);
+  scales->resize(size_t(rows) * G);
+  biases->resize(affine() ? size_t(rows) * G : 0);
+  for (int o = 0; o < rows; ++o) {
+    for (int k = 0; k < cols_pad; ++k) {
+      const uint8_t b = q4[q4_byte(o, k)], v = q4_high(k) ? b >> 4 : b & 0xF;
+      (*nibbles)[q4_plain_byte(o, k)] |= uint8_t(q4_plain_high(k) ? v << 4 : v);
+    }
+    for (int g = 0; g < G; ++g) {
+      (*scales)[size_t(o) * G + g] = scale[q4_scale_index(o, g)];
+      if (affine()) (*biases)[size_t(o) * G + g] = bias[q4_scale_index(o, g)];
+    }
+  }
 }
 
 size_t QMatrix::bytes() const {
@@ -165,7 +197,7 @@ void QMatrix::dequant_row(int o, float* out) const {
       for (int k = 0; k < cols; ++k) {
         const uint8_t b = q4[q4_byte(o, k)];
         const int n = q4_high(k) ? (b >> 4) : (b & 0xF);
-        const size_t g = size_t(o) * groups() + k / group;
+        const size_t g = q4_scale_index(o, k / group);
         // affine: what formats.MlxAffine reads, scale * q + bias in float32 (no fma)
         out[k] = affine() ? float(n) * scale[g] + bias[g] : float(n - 8) * scale[g];
       }

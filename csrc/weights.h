@@ -9,15 +9,18 @@
 //          AMX (a 64-input block of a group is one 16x64 tile, 1 KB) and of vpdpbusd with a
 //          broadcast quad of activations: every SIMD lane accumulates one output, so no path
 //          needs horizontal sums, and a decode row streams each group sequentially.
-//   Q4   : symmetric 4-bit, groups of 64 inputs: scale = amax/7, q in [-7, 7] stored +8 in
-//          nibbles; byte j of a group holds input j (low nibble) and input j+32 (high), so
-//          a group unpacks into two contiguous runs of 32. [rows][cols64/2] + [rows][groups].
-//          Affine (a pre-quantized checkpoint's groups, MLX's, run as stored: `bias` not
-//          empty): the nibble is q in [0, 15] itself and the weight scale * q + bias. Affine
-//          groups of 32 (`group` 32: GGUF's Q4_0 / Q4_1 / Q4_K, MLX's groups of 32) keep the
-//          64-input runs of bytes; the run's first 16 bytes are its first group (byte j: input
-//          j low, j + 16 high), the next 16 its second, so each SIMD lane of 4 bytes stays in
-//          one group.
+//   Q4   : 4-bit in groups of 64 inputs (or 32), stored as Q8 stores bytes: groups of 16
+//          outputs, each a contiguous run of 512-byte blocks, one per 64 inputs. In block s,
+//          slot t (0..7) is 64 bytes: byte 4 (o % 16) + i holds input 64s + 4t + i in its low
+//          nibble and 64s + 32 + 4t + i in its high one, [rows16/16][cols64/64][8][16][4]. So a
+//          64-byte vector of nibbles multiplies one broadcast activation quad into 16 output
+//          lanes (vpdpbusd, maddubs), as Q8's quads do, and a decode row streams each group of
+//          16 outputs in order. Symmetric (the engine's own): scale = amax/7 per group of 64,
+//          q in [-7, 7] stored + 8. Affine (a pre-quantized checkpoint's groups, run as stored:
+//          `bias` not empty): the nibble is q in [0, 15] itself and the weight scale * q + bias;
+//          groups of 32 (`group` 32: GGUF's Q4_0 / Q4_1 / Q4_K, MLX's groups of 32) are a
+//          block's low nibbles (group 2s) and its high ones (2s + 1). Scales (and biases)
+//          [rows16/16][groups][16]: one 16-lane vector per (group of outputs, group of inputs).
 // Q8 and Q4 multiply int8 activations, quantized per row (scale = amax/127), with exact int32
 // dot products; so a row's result never depends on the other rows in the batch.
 #pragma once
@@ -57,8 +60,9 @@ struct QMatrix {
   // interleaved formats write each group's bytes in order (set_row scatters 4-byte runs 64
   // bytes apart), the way a load fills a matrix.
   void set_rows(int o0, int n, const float* w, size_t stride);
-  // Q4 affine, as stored: init_affine sizes it; set_affine_rows copies rows [o0, o0 + n) of
-  // nibbles ([n][cols_pad / 2], the Q4 byte order), scales and biases ([n][groups]).
+  // Q4 affine, as stored: init_affine sizes it; set_affine_rows stores rows [o0, o0 + n) from
+  // the row-major layout (q4_plain_byte: nibbles [n][cols_pad / 2], scales and biases
+  // [n][groups]).
   void init_affine(int rows, int cols, int group = kQ4Group);
   void set_affine_rows(int o0, int n, const uint8_t* nibbles, const float* scales,
                        const float* biases);
@@ -71,16 +75,27 @@ struct QMatrix {
     return size_t(o / kQ8Group) * kQ8Group * cols_pad + size_t(k / kQ8Quad) * kQ8QuadBytes +
            size_t(o % kQ8Group) * kQ8Quad + k % kQ8Quad;
   }
-  // Q4: the byte that holds input k of output o, and whether in its high nibble
+  // Q4: the byte that holds input k of output o, whether in its high nibble, and where the
+  // scale (and bias) of output o's input group g sits
+  static constexpr int kQ4Block = kQ4Group * kQ8Group / 2;  // 512 bytes: 64 inputs x 16 outputs
   size_t q4_byte(int o, int k) const {
-    const int j = k % kQ4Group, half = group / 2;  // half: the high nibble's input offset
-    return (size_t(o) * cols_pad + (k - j)) / 2 + (j / group) * half + j % half;
+    const int j = k % kQ4Group;
+    return (size_t(o / kQ8Group) * (cols_pad / kQ4Group) + k / kQ4Group) * kQ4Block +
+           (j % 32) / 4 * 64 + (o % kQ8Group) * 4 + j % 4;
   }
-  bool q4_high(int k) const { return (k % group) >= group / 2; }
-  // Q4 in the row-major layout sources hand over and the GPU kernels read: nibbles
+  static bool q4_high(int k) { return k % kQ4Group >= 32; }
+  size_t q4_scale_index(int o, int g) const {
+    return (size_t(o / kQ8Group) * groups() + g) * kQ8Group + o % kQ8Group;
+  }
+  // The row-major Q4 layout sources hand over and the GPU kernels read: nibbles
   // [rows][cols_pad / 2] (a run of 64 inputs in 32 bytes; groups of 64: byte j holds input j
   // low and j + 32 high; groups of 32: bytes 16i + j hold inputs 32i + j and 32i + j + 16),
-  // scales and biases (affine) [rows][groups].
+  // scales and biases (affine) [rows][groups]. q4_plain exports it; set_affine_rows takes it.
+  size_t q4_plain_byte(int o, int k) const {
+    const int j = k % kQ4Group, half = group / 2;
+    return (size_t(o) * cols_pad + (k - j)) / 2 + (j / group) * half + j % half;
+  }
+  bool q4_plain_high(int k) const { return (k % group) >= group / 2; }
   void q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales,
                 std::vector<float>* biases) const;
   size_t bytes() const;

@@ -70,21 +70,19 @@ kernel void q8_matmul(device const char* w           [[buffer(0)]],  // [out, co
 }
 
 // Q4 matmul for 1..16 rows over the int8 activations of q8_quantize_rows, in the CPU's order
-// (csrc/kernels/matmul.inc, mm_q4_job), so its bits are the CPU's: per row 8 float lanes over
-// runs of 64 inputs; for run s lane l holds the exact int
-//   I[l] = sum_{b=4l}^{4l+3} x[64s+in(b)] q[64s+in(b)] + x[64s+in(b)+h] q[64s+in(b)+h],
-// h = group / 2 (the high nibble's offset), in(b) = b for groups of 64, (b / 16) * 32 + b % 16
-// for groups of 32; lane_acc[l] = fma(scale, float(I[l]), lane_acc[l]) with the scale of the
-// lane's group (run s; groups of 32: 2s + l / 4), runs in order; affine groups then add
-// lane_acc[l] = fma(bias, float(X[l]), lane_acc[l]), X[l] the sum of the lane's 8 activations.
-// The lanes fold 4-2-1 and the sum is multiplied by the row's activation scale. Here each run
-// of 8 simdgroup lanes is one output's 8 CPU lanes (a simdgroup computes 4 outputs, a
-// 256-thread group 32): lane l walks the runs in order on its own, and only the final fold
-// crosses lanes.
-// Weights as the CPU packs them (csrc/weights.h): [out, cols_pad / 2] bytes, 32 a run; groups
-// of 64: byte j holds input j (low nibble) and j + 32 (high); groups of 32: bytes 16i + j hold
-// inputs 32i + j and 32i + j + 16. Symmetric: q + 8, weight (q - 8) * scale; affine: the nibble
-// q itself, weight q * scale + bias. Scales (and biases) [out, cols_pad / group].
+// (csrc/kernels/matmul.inc, mm_q4_job), so its bits are the CPU's: per (row, output), for each
+// input group in order, I = the exact int32 dot of the group (symmetric: nibble - 8; affine:
+// the nibble), acc = fma(scale, float(I), acc), affine groups then acc = fma(bias, float(X),
+// acc) with X the group's activation sum; y = acc * the row's activation scale. An int32 sum
+// has no order: each run of 8 simdgroup lanes is one output (a simdgroup computes 4, a
+// 256-thread group 32), lane l takes 8 inputs of each 64-input run, and xor shuffles sum a
+// group's lanes (4 for groups of 32, 8 for 64) exactly; every lane then runs the same fma
+// chain. Lanes of outputs past the end read nothing but stay for the shuffles.
+// Weights as the GPU upload hands them (QMatrix::q4_plain): [out, cols_pad / 2] bytes, 32 a
+// run; groups of 64: byte j holds input j (low nibble) and j + 32 (high); groups of 32: bytes
+// 16i + j hold inputs 32i + j and 32i + j + 16. Symmetric: q + 8, weight (q - 8) * scale;
+// affine: the nibble q itself, weight q * scale + bias. Scales (and biases) [out, cols_pad /
+// group].
 kernel void q4_matmul(device const uchar* w          [[buffer(0)]],  // [out, cols_pad / 2]
                       device const float* w_scale    [[buffer(1)]],  // [out, cols_pad / group]
                       device const float* w_bias     [[buffer(2)]],  // [out, cols_pad / group] (affine)
@@ -99,42 +97,45 @@ kernel void q4_matmul(device const uchar* w          [[buffer(0)]],  // [out, co
 {
   const int o = (tg.x * nsg + sg) * 4 + lane / 8, l = lane % 8;
   const int runs = p.cols_pad / SW_Q4_GROUP, per_run = SW_Q4_GROUP / p.group, h = p.group / 2;
-  const int gi = 4 * l / h;                         // the lane's group within a run
-  const int in_lo = gi * p.group + 4 * l % h;       // its first low-nibble input in the run
-  const bool affine = p.affine != 0, live = o < p.out_features;  // every lane stays for the fold
-  const int zero = affine ? 0 : 8;                  // the nibble's offset
+  const int in_lo = (4 * l / h) * p.group + 4 * l % h;  // the lane's first low-nibble input in a run
+  const bool affine = p.affine != 0, live = o < p.out_features;
+  const int zero = affine ? 0 : 8;                       // the nibble's offset
+  const int oc = live ? o : 0;                           // dead lanes read row 0 and discard it
+  device const uint* wrow = (device const uint*)(w + size_t(oc) * (p.cols_pad / 2));  // 8 words a run
+  device const float* sc = w_scale + size_t(oc) * runs * per_run;
+  device const float* bi = w_bias + size_t(oc) * runs * per_run;
   float acc[SW_Q8_MAX_ROWS];
   for (int r = 0; r < p.rows; ++r) acc[r] = 0.0f;
-  if (live) {
-    device const uint* wrow = (device const uint*)(w + size_t(o) * (p.cols_pad / 2));  // 8 words a run
-    device const float* sc = w_scale + size_t(o) * runs * per_run;
-    device const float* bi = w_bias + size_t(o) * runs * per_run;
-    for (int s = 0; s < runs; ++s) {
-      const uint b = wrow[s * 8 + l];  // bytes 4l..4l+3: inputs in_lo.. (low nibbles), in_lo + h.. (high)
-      const int4 lo = int4(int(b & 15u), int((b >> 8) & 15u), int((b >> 16) & 15u), int((b >> 24) & 15u)) -
-                      int4(zero, zero, zero, zero);
-      const int4 hi = int4(int((b >> 4) & 15u), int((b >> 12) & 15u), int((b >> 20) & 15u), int(b >> 28)) -
-                      int4(zero, zero, zero, zero);
-      const int g = s * per_run + gi;
-      const float scale = sc[g], bias = affine ? bi[g] : 0.0f;
-      for (int r = 0; r < p.rows; ++r) {
-        device const char* xr = xq + r * p.cols_pad + s * SW_Q4_GROUP;
-        const int4 xl = int4(((device const char4*)(xr + in_lo))[0]);
-        const int4 xh = int4(((device const char4*)(xr + in_lo + h))[0]);
-        const int4 d = xl * lo + xh * hi;
-        acc[r] = fma(scale, float(d.x + d.y + d.z + d.w), acc[r]);
-        if (affine) {
-          const int4 sx = xl + xh;
-          acc[r] = fma(bias, float(sx.x + sx.y + sx.z + sx.w), acc[r]);
-        }
+  for (int s = 0; s < runs; ++s) {
+    const uint b = wrow[s * 8 + l];  // bytes 4l..4l+3: inputs in_lo.. (low nibbles), in_lo + h.. (high)
+    const int4 lo = int4(int(b & 15u), int((b >> 8) & 15u), int((b >> 16) & 15u), int((b >> 24) & 15u)) -
+                    int4(zero, zero, zero, zero);
+    const int4 hi = int4(int((b >> 4) & 15u), int((b >> 12) & 15u), int((b >> 20) & 15u), int(b >> 28)) -
+                    int4(zero, zero, zero, zero);
+    for (int r = 0; r < p.rows; ++r) {
+      device const char* xr = xq + r * p.cols_pad + s * SW_Q4_GROUP;
+      const int4 xl = int4(((device const char4*)(xr + in_lo))[0]);
+      const int4 xh = int4(((device const char4*)(xr + in_lo + h))[0]);
+      const int4 dv = xl * lo + xh * hi, sv = xl + xh;
+      int d = dv.x + dv.y + dv.z + dv.w, sx = sv.x + sv.y + sv.z + sv.w;
+      d += simd_shuffle_xor(d, ushort(1));
+      sx += simd_shuffle_xor(sx, ushort(1));
+      d += simd_shuffle_xor(d, ushort(2));
+      sx += simd_shuffle_xor(sx, ushort(2));  // 4 lanes: 32 inputs
+      const int d_o = simd_shuffle_xor(d, ushort(4));
+      const int sx_o = simd_shuffle_xor(sx, ushort(4));
+      if (per_run == 1) {  // one group of 64
+        acc[r] = fma(sc[s], float(d + d_o), acc[r]);
+        if (affine) acc[r] = fma(bi[s], float(sx + sx_o), acc[r]);
+      } else {             // groups 2s (lanes 0-3) and 2s + 1 (lanes 4-7)
+        const bool first = l < 4;
+        acc[r] = fma(sc[2 * s], float(first ? d : d_o), acc[r]);
+        acc[r] = fma(bi[2 * s], float(first ? sx : sx_o), acc[r]);
+        acc[r] = fma(sc[2 * s + 1], float(first ? d_o : d), acc[r]);
+        acc[r] = fma(bi[2 * s + 1], float(first ? sx_o : sx), acc[r]);
       }
     }
   }
-  for (int r = 0; r < p.rows; ++r) {  // lanes 8k..8k+7 hold lane_acc[0..7]: fold 4-2-1 as the CPU
-    float v = acc[r];
-    v = v + simd_shuffle(v, ushort((lane + 4) % SW_SIMD));
-    v = v + simd_shuffle(v, ushort((lane + 2) % SW_SIMD));
-    v = v + simd_shuffle(v, ushort((lane + 1) % SW_SIMD));
-    if (live && l == 0) y[r * p.out_features + o] = v * xs[r];
-  }
+  for (int r = 0; r < p.rows; ++r)
+    if (live && l == 0) y[r * p.out_features + o] = acc[r] * xs[r];
 }

@@ -50,7 +50,7 @@ void q8_matmul(const It& it, const Q8Args& a) {
 namespace swsycl {
 
 struct Q4Args {
-  const uint8_t* w;       // [out, cols_pad / 2]: runs of 64 inputs in 32 bytes (csrc/weights.h)
+  const uint8_t* w;       // [out, cols_pad / 2]: runs of 64 inputs in 32 bytes (QMatrix::q4_plain)
   const float* w_scale;   // [out, cols_pad / group]
   const float* w_bias;    // [out, cols_pad / group] (affine only)
   const int8_t* xq;       // [rows, cols_pad] from q8_quantize_rows
@@ -61,49 +61,53 @@ struct Q4Args {
 };
 
 // Q4 matmul for 1..16 rows in the CPU's order (metal/q8_matmul.metal q4_matmul, mm_q4_job):
-// per row 8 float lanes over runs of 64 inputs; for run s lane l holds the exact int
-// I[l] = sum over b = 4l..4l+3 of x[64s+in(b)] q[64s+in(b)] + x[64s+in(b)+h] q[64s+in(b)+h]
-// (h = group / 2; in(b) = b for groups of 64, (b / 16) * 32 + b % 16 for groups of 32);
-// lane_acc[l] = fma(scale, float(I[l]), lane_acc[l]) with the lane's group's scale, runs in
-// order; affine groups then lane_acc[l] = fma(bias, float(X[l]), lane_acc[l]), X[l] the sum of
-// the lane's 8 activations; the lanes fold 4-2-1, times the row's activation scale. Each run
-// of 8 sub-group lanes is one output's 8 CPU lanes (4 outputs a sub-group): lane l walks the
-// runs in order on its own, and only the final fold crosses lanes.
+// per (row, output), for each input group in order, I = the group's exact int32 dot, acc =
+// fma(scale, float(I), acc), affine groups then acc = fma(bias, float(X), acc) with X the
+// group's activation sum; y = acc * the row's activation scale. Each run of 8 sub-group lanes
+// is one output (4 a sub-group), lane l takes 8 inputs of each 64-input run, xor shuffles sum a
+// group's lanes exactly, and every lane runs the same fma chain; lanes of outputs past the end
+// read nothing but stay for the shuffles.
 template <class It>
 void q4_matmul(const It& it, const Q4Args& a) {
   const int lane = sg_lane(it), l = lane % 8, runs = a.cols_pad / 64, per_run = 64 / a.group, h = a.group / 2;
   const int o = (int(it.get_group(0)) * sg_count(it) + sg_index(it)) * 4 + lane / 8;
-  const int gi = 4 * l / h, in_lo = gi * a.group + 4 * l % h;  // the lane's group in a run, first input
-  const bool affine = a.affine != 0, live = o < a.out_features;  // every lane stays for the fold
+  const int in_lo = (4 * l / h) * a.group + 4 * l % h;  // the lane's first low-nibble input in a run
+  const bool affine = a.affine != 0, live = o < a.out_features;
   const int zero = affine ? 0 : 8;  // the nibble's offset
+  const int oc = live ? o : 0;      // dead lanes read row 0 and discard it
+  const uint8_t* wrow = a.w + size_t(oc) * (a.cols_pad / 2);  // 32 bytes a run
+  const float* sc = a.w_scale + size_t(oc) * runs * per_run;
+  const float* bi = a.w_bias + size_t(oc) * runs * per_run;
   float acc[kQ8MaxRows];
   for (int r = 0; r < a.rows; ++r) acc[r] = 0.0f;
-  if (live) {
-    const uint8_t* wrow = a.w + size_t(o) * (a.cols_pad / 2);  // 32 bytes a run
-    const float* sc = a.w_scale + size_t(o) * runs * per_run;
-    const float* bi = a.w_bias + size_t(o) * runs * per_run;
-    for (int s = 0; s < runs; ++s) {
-      const uint8_t* b = wrow + s * 32 + 4 * l;  // inputs in_lo.. (low nibbles) and in_lo + h.. (high)
-      int lo[4], hi[4];
-      for (int e = 0; e < 4; ++e) lo[e] = int(b[e] & 15u) - zero, hi[e] = int(b[e] >> 4) - zero;
-      const int g = s * per_run + gi;
-      const float scale = sc[g], bias = affine ? bi[g] : 0.0f;
-      for (int r = 0; r < a.rows; ++r) {
-        const int8_t* xr = a.xq + r * a.cols_pad + s * 64 + in_lo;
-        int d = 0, sx = 0;
-        for (int e = 0; e < 4; ++e) d += int(xr[e]) * lo[e] + int(xr[h + e]) * hi[e], sx += int(xr[e]) + int(xr[h + e]);
-        acc[r] = fma(scale, float(d), acc[r]);
-        if (affine) acc[r] = fma(bias, float(sx), acc[r]);
+  for (int s = 0; s < runs; ++s) {
+    const uint8_t* b = wrow + s * 32 + 4 * l;  // inputs in_lo.. (low nibbles) and in_lo + h.. (high)
+    int lo[4], hi[4];
+    for (int e = 0; e < 4; ++e) lo[e] = int(b[e] & 15u) - zero, hi[e] = int(b[e] >> 4) - zero;
+    for (int r = 0; r < a.rows; ++r) {
+      const int8_t* xr = a.xq + r * a.cols_pad + s * 64 + in_lo;
+      int d = 0, sx = 0;
+      for (int e = 0; e < 4; ++e) d += int(xr[e]) * lo[e] + int(xr[h + e]) * hi[e], sx += int(xr[e]) + int(xr[h + e]);
+      d += sg_shuffle_xor(it, d, 1);
+      sx += sg_shuffle_xor(it, sx, 1);
+      d += sg_shuffle_xor(it, d, 2);
+      sx += sg_shuffle_xor(it, sx, 2);  // 4 lanes: 32 inputs
+      const int d_o = sg_shuffle_xor(it, d, 4);
+      const int sx_o = sg_shuffle_xor(it, sx, 4);
+      if (per_run == 1) {  // one group of 64
+        acc[r] = fma(sc[s], float(d + d_o), acc[r]);
+        if (affine) acc[r] = fma(bi[s], float(sx + sx_o), acc[r]);
+      } else {             // groups 2s (lanes 0-3) and 2s + 1 (lanes 4-7)
+        const bool first = l < 4;
+        acc[r] = fma(sc[2 * s], float(first ? d : d_o), acc[r]);
+        acc[r] = fma(bi[2 * s], float(first ? sx : sx_o), acc[r]);
+        acc[r] = fma(sc[2 * s + 1], float(first ? d_o : d), acc[r]);
+        acc[r] = fma(bi[2 * s + 1], float(first ? sx_o : sx), acc[r]);
       }
     }
   }
-  for (int r = 0; r < a.rows; ++r) {  // lanes 8k..8k+7 hold lane_acc[0..7]: fold 4-2-1 as the CPU
-    float v = acc[r];
-    v = v + sg_shuffle(it, v, (lane + 4) % kSimd);
-    v = v + sg_shuffle(it, v, (lane + 2) % kSimd);
-    v = v + sg_shuffle(it, v, (lane + 1) % kSimd);
-    if (live && l == 0) a.y[r * a.out_features + o] = v * a.xs[r];
-  }
+  for (int r = 0; r < a.rows; ++r)
+    if (live && l == 0) a.y[r * a.out_features + o] = acc[r] * a.xs[r];
 }
 
 }  // namespace swsycl

@@ -76,14 +76,15 @@ MUTANTS = {
                          lambda d: ops_cases.test_rms_norm(d, rng(), 300), None),
     "logsumexp-barrier": ("metal", "rows.metal", delete(BARRIER, 4),
                           lambda d: ops_cases.test_logsumexp_rows(d, rng(), 300), None),
-    "q4-simd_shuffle": ("metal", "q8_matmul.metal", delete("simd_shuffle(", 0, "("),
+    # a group's lane sum missing a step
+    "q4-simd_shuffle": ("metal", "q8_matmul.metal", replace("d += simd_shuffle_xor(d, ushort(1));", ""),
                         lambda d: ops_cases.test_int8_matmul_is_the_cpus(d, rng(), "q4", 5), None),
-    # affine q4 groups (as stored): the bias term dropped, every lane's group taken as the
-    # run's first (right for groups of 64 only), an fma where the CPU rounds twice
+    # affine q4 groups (as stored): the bias term dropped, every lane's inputs taken from the
+    # run's first group (right for groups of 64 only), an fma where the CPU rounds twice
     "q4-affine-bias-dropped": ("metal", "q8_matmul.metal",
-                               replace("acc[r] = fma(bias, float(sx.x + sx.y + sx.z + sx.w), acc[r]);", ""),
+                               replace("if (affine) acc[r] = fma(bi[s], float(sx + sx_o), acc[r]);", ""),
                                lambda d: ops_cases.test_affine_q4_matmul_is_the_cpus(d, rng(), 64, 320, 5), None),
-    "q4-affine-g32-one-group-a-run": ("metal", "q8_matmul.metal", replace("const int gi = 4 * l / h;", "const int gi = 0;"),
+    "q4-affine-g32-one-group-a-run": ("metal", "q8_matmul.metal", replace("const int in_lo = (4 * l / h) * p.group + 4 * l % h;", "const int in_lo = 4 * l % h;"),
                                       lambda d: ops_cases.test_affine_q4_matmul_is_the_cpus(d, rng(), 32, 320, 5), None),
     "embed-q4-affine-fma": ("metal", "elementwise.metal", replace("v = qs + bias[sg];", "v = fma(float(q), scale[sg], bias[sg]);"),
                             lambda d: ops_cases.test_affine_embed_rows_are_the_cpus(d, rng(), 64), None),
@@ -99,11 +100,11 @@ MUTANTS = {
     "sycl-attn-barrier": ("sycl", "tree_attention.hpp", delete("barrier(it);", 0), attention, None),
     "sycl-rms_norm-barrier": ("sycl", "rows.hpp", delete("barrier(it);", 0),
                               lambda d: ops_cases.test_rms_norm(d, rng(), 300), None),
-    "sycl-q4-sg_shuffle": ("sycl", "q8_matmul.hpp", delete("sg_shuffle(it, v, (lane + 2) % kSimd)", 0, "v"),
+    "sycl-q4-sg_shuffle": ("sycl", "q8_matmul.hpp", replace("d += sg_shuffle_xor(it, d, 2);", ""),
                            lambda d: ops_cases.test_int8_matmul_is_the_cpus(d, rng(), "q4", 5), None),
     "sycl-q4-affine-bias-first": ("sycl", "q8_matmul.hpp",
-                                  replace("acc[r] = fma(scale, float(d), acc[r]);\n        if (affine) acc[r] = fma(bias, float(sx), acc[r]);",
-                                          "if (affine) acc[r] = fma(bias, float(sx), acc[r]);\n        acc[r] = fma(scale, float(d), acc[r]);"),
+                                  replace("acc[r] = fma(sc[2 * s], float(first ? d : d_o), acc[r]);\n        acc[r] = fma(bi[2 * s], float(first ? sx : sx_o), acc[r]);",
+                                          "acc[r] = fma(bi[2 * s], float(first ? sx : sx_o), acc[r]);\n        acc[r] = fma(sc[2 * s], float(first ? d : d_o), acc[r]);"),
                                   lambda d: ops_cases.test_affine_q4_matmul_is_the_cpus(d, rng(), 32, 320, 16), None),
     "sycl-embed-q4-g32-nibble": ("sycl", "elementwise.hpp", replace("k % a.group < half", "j < kQ4Run / 2"),
                                  lambda d: ops_cases.test_affine_embed_rows_are_the_cpus(d, rng(), 32), None),

@@ -38,10 +38,10 @@ def matrix_bytes(rows: int, cols: int, fmt: str) -> int:
         return _up(rows, 16) * cols * 2
     if fmt == "q8":  # int8 rows in groups of 16, plus a scale and an int32 sum per row
         return _up(rows, 16) * _up(cols, 32) + rows * 8
-    if fmt in ("q4", "q4a", "q4a32"):  # two inputs a byte, an fp32 scale (q4a: and bias) per
-        cp = _up(cols, 64)                # 64 inputs (q4a32: per 32)
+    if fmt in ("q4", "q4a", "q4a32"):  # two inputs a byte in groups of 16 rows, an fp32 scale
+        cp, r16 = _up(cols, 64), _up(rows, 16)  # (q4a: and bias) per 64 inputs (q4a32: per 32)
         group = 32 if fmt == "q4a32" else 64
-        return rows * cp // 2 + rows * (cp // group) * (4 if fmt == "q4" else 8)
+        return r16 * cp // 2 + r16 * (cp // group) * (4 if fmt == "q4" else 8)
     raise ValueError(f"weights={fmt!r}: must be one of {', '.join(WEIGHT_MODES)}")
 
 
