@@ -54,12 +54,12 @@ void QMatrix::init(int r, int c, WFormat f) {
   }
 }
 
-// Q4: output o's 64 nibbles v (inputs 64s .. 64s + 63) into their block; rows write disjoint
-// bytes (4 of each 64-byte slot), so loaders fill rows from several threads at once
-static void q4_put_run(QMatrix& m, int o, int s, const uint8_t* v) {
+// Q4: output o's 32 bytes of inputs 64s .. 64s + 63 (byte j: input j low, j + 32 high) into
+// their block, 4 bytes a slot; rows write disjoint bytes, so loaders fill rows from several
+// threads at once
+static void q4_put_run(QMatrix& m, int o, int s, const uint8_t* bytes) {
   uint8_t* dst = &m.q4[m.q4_byte(o, s * kQ4Group)];
-  for (int t = 0; t < 8; ++t)
-    for (int i = 0; i < 4; ++i) dst[t * 64 + i] = uint8_t(v[4 * t + i] | (v[32 + 4 * t + i] << 4));
+  for (int t = 0; t < 8; ++t) std::memcpy(dst + t * 64, bytes + 4 * t, 4);
 }
 
 // Rows touch disjoint bytes (a Q4 byte holds two inputs of one row), so loaders fill rows from
@@ -85,8 +85,8 @@ void QMatrix::set_row(int o, const float* w) {
       const int k0 = g * kQ4Group, k1 = std::min(c, k0 + kQ4Group);
       int8_t qs[kQ4Group] = {};  // inputs past cols stay 0: stored 8
       scale[q4_scale_index(o, g)] = quantize_block(w + k0, k1 - k0, 7.0f, qs);
-      uint8_t v[kQ4Group];
-      for (int j = 0; j < kQ4Group; ++j) v[j] = uint8_t(qs[j] + 8);
+      uint8_t v[kQ4Group / 2];
+      for (int j = 0; j < kQ4Group / 2; ++j) v[j] = uint8_t((qs[j] + 8) | ((qs[j + 32] + 8) << 4));
       q4_put_run(*this, o, g, v);
     }
   }
@@ -139,10 +139,14 @@ void QMatrix::set_affine_rows(int o0, int n, const uint8_t* nibbles, const float
   for (int r = 0; r < n; ++r) {
     const uint8_t* src = nibbles + size_t(r) * row;
     for (int s = 0; s < cols_pad / kQ4Group; ++s, src += kQ4Group / 2) {
-      uint8_t v[kQ4Group];  // the run's 64 nibbles in input order (q4_plain_byte's layout)
-      for (int j = 0; j < kQ4Group / 2; ++j) {
-        const int k = (j / half) * group + j % half;
-        v[k] = src[j] & 0xF, v[k + half] = src[j] >> 4;
+      if (half == 32) {  // groups of 64: the plain run is already byte j = inputs j, j + 32
+        q4_put_run(*this, o0 + r, s, src);
+        continue;
+      }
+      uint8_t v[kQ4Group / 2];  // groups of 32: plain byte 16i + j = inputs 32i + j, 32i + j + 16
+      for (int j = 0; j < 16; ++j) {
+        v[j] = uint8_t((src[j] & 0x0F) | (src[16 + j] << 4));
+        v[16 + j] = uint8_t((src[j] >> 4) | (src[16 + j] & 0xF0));
       }
       q4_put_run(*this, o0 + r, s, v);
     }
@@ -165,9 +169,18 @@ void QMatrix::q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales
   scales->resize(size_t(rows) * G);
   biases->resize(affine() ? size_t(rows) * G : 0);
   for (int o = 0; o < rows; ++o) {
-    for (int k = 0; k < cols_pad; ++k) {
-      const uint8_t b = q4[q4_byte(o, k)], v = q4_high(k) ? b >> 4 : b & 0xF;
-      (*nibbles)[q4_plain_byte(o, k)] |= uint8_t(q4_plain_high(k) ? v << 4 : v);
+    for (int s = 0; s < cols_pad / kQ4Group; ++s) {  // set_affine_rows backwards
+      uint8_t v[kQ4Group / 2], *dst = nibbles->data() + q4_plain_byte(o, s * kQ4Group);
+      const uint8_t* src = &q4[q4_byte(o, s * kQ4Group)];
+      for (int t = 0; t < 8; ++t) std::memcpy(v + 4 * t, src + t * 64, 4);
+      if (group == kQ4Group) {
+        std::memcpy(dst, v, sizeof v);
+        continue;
+      }
+      for (int j = 0; j < 16; ++j) {
+        dst[j] = uint8_t((v[j] & 0x0F) | (v[16 + j] << 4));
+        dst[16 + j] = uint8_t((v[j] >> 4) | (v[16 + j] & 0xF0));
+      }
     }
     for (int g = 0; g < G; ++g) {
       (*scales)[size_t(o) * G + g] = scale[q4_scale_index(o, g)];
