@@ -1,8 +1,8 @@
 """Decode at a Qwen3.5 shape, 2 threads: two sapwood builds (PYTHONPATH dirs, each running
 stop49/decode_one.py over the same PATH:WEIGHTS arms in a fresh process) beside llama.cpp's
 llama-bench tg32 on a GGUF of the same checkpoint; blocks alternate the order; medians and
-ranges; each sapwood arm also as a fraction of its memory floor (the engine's weights bytes /
-the read bandwidth measured once a block).
+ranges; each sapwood arm also as a fraction of its memory floor (the last build's weights
+bytes / the read bandwidth measured once a block).
 
     python bench/results/zen4_vnni/stop50/decode_ab_llama.py LLAMA_BIN GGUF \
         --builds old=/tmp/oldpkg new=python --arms /tmp/qwen35-2b:q4 /tmp/qwen35-2b-mlx4:auto \
@@ -33,14 +33,21 @@ def llama_tok_s():
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
-def weights_and_bandwidth(path):
-    code = ("import json,sys,sapwood; from sapwood import _core; w={}\n"
+def weights_bytes(path):
+    code = ("import json,sys,sapwood; w={}\n"
             "for s in sys.argv[1:]:\n p,x=s.rsplit(':',1); m=sapwood.load(p,weights=x,threads=2,max_context=256,quiet=True)\n"
             " w[s]=m.engine.memory()['weights_bytes']; del m\n"
-            "print(json.dumps({'w':w,'bw':_core.read_bandwidth(1<<29,2,3)}))")
+            "print(json.dumps(w))")
     env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
     out = subprocess.run([sys.executable, "-c", code, *a.arms], capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bandwidth(path):
+    code = "from sapwood import _core; print(_core.read_bandwidth(1 << 29, 2, 3))"
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 LLAMA = f"llama.cpp {os.path.basename(a.gguf)}"
@@ -48,7 +55,7 @@ runs = {LLAMA: []}
 for n in builds:
     for s in a.arms:
         runs[f"{n} {s}"] = []
-bws, wbytes = [], {}
+bws = []
 for b in range(a.blocks):
     order = ["llama", *builds] if b % 2 == 0 else [*builds][::-1] + ["llama"]
     for what in order:
@@ -57,8 +64,8 @@ for b in range(a.blocks):
             continue
         for s, v in build_run(builds[what]).items():
             runs[f"{what} {s}"].append(v)
-    wb = weights_and_bandwidth(builds[list(builds)[-1]])
-    bws.append(wb["bw"]); wbytes = wb["w"]
+    bws.append(bandwidth(builds[list(builds)[-1]]))
+wbytes = weights_bytes(builds[list(builds)[-1]])  # the last build's (the one under test)
 ref, bw = statistics.median(runs[LLAMA]), statistics.median(bws)
 for n, v in runs.items():
     spec = n.split(" ", 1)[1] if n != LLAMA else None
