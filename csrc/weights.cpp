@@ -55,11 +55,20 @@ void QMatrix::init(int r, int c, WFormat f) {
 }
 
 // Q4: output o's 32 bytes of inputs 64s .. 64s + 63 (byte j: input j low, j + 32 high) into
-// their block, 4 bytes a slot; rows write disjoint bytes, so loaders fill rows from several
-// threads at once
+// their block, 4 bytes a slot
 static void q4_put_run(QMatrix& m, int o, int s, const uint8_t* bytes) {
   uint8_t* dst = &m.q4[m.q4_byte(o, s * kQ4Group)];
   for (int t = 0; t < 8; ++t) std::memcpy(dst + t * 64, bytes + 4 * t, 4);
+}
+
+// A 64-input run of groups of 32 between the plain order (byte 16i + j: inputs 32i + j low,
+// 32i + j + 16 high) and the block order (byte j: inputs j, j + 32): byte j's high nibble
+// trades places with byte 16 + j's low one, so the same swap goes both ways
+static void q4_swap_g32(const uint8_t* in, uint8_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    out[j] = uint8_t((in[j] & 0x0F) | (in[16 + j] << 4));
+    out[16 + j] = uint8_t((in[j] >> 4) | (in[16 + j] & 0xF0));
+  }
 }
 
 // Rows touch disjoint bytes (a Q4 byte holds two inputs of one row), so loaders fill rows from
@@ -143,11 +152,8 @@ void QMatrix::set_affine_rows(int o0, int n, const uint8_t* nibbles, const float
         q4_put_run(*this, o0 + r, s, src);
         continue;
       }
-      uint8_t v[kQ4Group / 2];  // groups of 32: plain byte 16i + j = inputs 32i + j, 32i + j + 16
-      for (int j = 0; j < 16; ++j) {
-        v[j] = uint8_t((src[j] & 0x0F) | (src[16 + j] << 4));
-        v[16 + j] = uint8_t((src[j] >> 4) | (src[16 + j] & 0xF0));
-      }
+      uint8_t v[kQ4Group / 2];
+      q4_swap_g32(src, v);
       q4_put_run(*this, o0 + r, s, v);
     }
     for (int g = 0; g < G; ++g) {
@@ -173,14 +179,8 @@ void QMatrix::q4_plain(std::vector<uint8_t>* nibbles, std::vector<float>* scales
       uint8_t v[kQ4Group / 2], *dst = nibbles->data() + q4_plain_byte(o, s * kQ4Group);
       const uint8_t* src = &q4[q4_byte(o, s * kQ4Group)];
       for (int t = 0; t < 8; ++t) std::memcpy(v + 4 * t, src + t * 64, 4);
-      if (group == kQ4Group) {
-        std::memcpy(dst, v, sizeof v);
-        continue;
-      }
-      for (int j = 0; j < 16; ++j) {
-        dst[j] = uint8_t((v[j] & 0x0F) | (v[16 + j] << 4));
-        dst[16 + j] = uint8_t((v[j] >> 4) | (v[16 + j] & 0xF0));
-      }
+      if (group == kQ4Group) std::memcpy(dst, v, sizeof v);
+      else q4_swap_g32(v, dst);
     }
     for (int g = 0; g < G; ++g) {
       (*scales)[size_t(o) * G + g] = scale[q4_scale_index(o, g)];
