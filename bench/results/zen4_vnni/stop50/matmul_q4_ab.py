@@ -1,7 +1,10 @@
 """One q4 matmul of 1 and 16 rows at 9B widths, 2 threads: median ms and GB/s of stored bytes.
-Run under each build's PYTHONPATH (matmul_q4_ab.txt)."""
+Run under each build's PYTHONPATH (matmul_q4_ab.txt); an optional argument forces a kernel
+variant (`avx2`, `avx512`: _core.available_isas())."""
 import sys, time, json, numpy as np
 from sapwood import _core
+if len(sys.argv) > 1:
+    _core.set_isa(sys.argv[1])
 rng = np.random.default_rng(0)
 out = {}
 for (o, i) in [(12288, 4096), (4096, 12288), (248320 // 4, 4096)]:
